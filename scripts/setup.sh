@@ -1,0 +1,10 @@
+#!/usr/bin/env bash
+# Creates .venv and installs kvserve with the given extras (default: engine).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+extras="${1:-engine}"
+python3 -m venv .venv
+.venv/bin/python -m pip install -q --upgrade pip
+# torch is pinned exactly (see pyproject.toml); install it first so nothing pulls a CUDA build.
+.venv/bin/python -m pip install -q "torch==2.13.0"
+.venv/bin/python -m pip install -q -e ".[${extras}]"

@@ -1,0 +1,7 @@
+#!/usr/bin/env bash
+# Sets up .venv with the engine and dev extras, checks style, and runs the tests.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh engine,dev
+.venv/bin/ruff check src tests benchmarks
+exec .venv/bin/python -m pytest -q "$@"

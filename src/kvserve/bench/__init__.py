@@ -1,0 +1,1 @@
+"""bench layer (see DESIGN.md §1)."""

@@ -1,0 +1,1 @@
+"""Pure, deterministic logic shared by engine, router and simulator: no I/O, no clock."""

@@ -1,0 +1,1 @@
+"""router layer (see DESIGN.md §1)."""

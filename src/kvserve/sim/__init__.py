@@ -1,0 +1,1 @@
+"""sim layer (see DESIGN.md §1)."""
