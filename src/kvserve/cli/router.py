@@ -1,0 +1,149 @@
+"""``kvserve router``: the cache-aware gateway over a fleet of OpenAI-compatible workers."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+
+_TUNING = "Policy tuning"
+_RELIABILITY = "Retries, circuit breaker, health checks"
+
+
+def register(app: typer.Typer) -> None:
+    @app.command(no_args_is_help=True)
+    def router(
+        worker_urls: Annotated[
+            list[str],
+            typer.Option(
+                "--worker-urls",
+                help="Worker base URLs: --worker-urls URL [URL ...] (or repeat the flag).",
+            ),
+        ],
+        more_worker_urls: Annotated[
+            list[str] | None, typer.Argument(hidden=True, metavar="")
+        ] = None,
+        policy: Annotated[
+            str,
+            typer.Option(help="cache_aware | round_robin | random | power_of_two | session"),
+        ] = "cache_aware",
+        host: str = "127.0.0.1",
+        port: int = 8000,
+        api_key: Annotated[
+            str | None, typer.Option(help="Required from clients on /v1/* when set.")
+        ] = None,
+        admin_api_key: Annotated[
+            str | None,
+            typer.Option(help="Required on /workers when set (else --api-key applies)."),
+        ] = None,
+        cache_threshold: Annotated[
+            float,
+            typer.Option(
+                help="cache_aware: matched fraction above which the match wins.",
+                rich_help_panel=_TUNING,
+            ),
+        ] = 0.3,
+        balance_abs_threshold: Annotated[
+            int,
+            typer.Option(
+                help="cache_aware: in-flight gap (max - min) that means imbalance.",
+                rich_help_panel=_TUNING,
+            ),
+        ] = 64,
+        balance_rel_threshold: Annotated[
+            float,
+            typer.Option(
+                help="cache_aware: and max > this x min means imbalance.", rich_help_panel=_TUNING
+            ),
+        ] = 1.5,
+        eviction_interval: Annotated[
+            float,
+            typer.Option(
+                help="cache_aware: seconds between trims of the prefix tree.",
+                rich_help_panel=_TUNING,
+            ),
+        ] = 120.0,
+        max_tree_size: Annotated[
+            int,
+            typer.Option(
+                help="cache_aware: characters the whole prefix index may hold.",
+                rich_help_panel=_TUNING,
+            ),
+        ] = 2**26,
+        session_header: Annotated[
+            str,
+            typer.Option(
+                help="session: header keying the session (else the `user` field).",
+                rich_help_panel=_TUNING,
+            ),
+        ] = "x-session-id",
+        seed: Annotated[
+            int | None,
+            typer.Option(help="random, power_of_two: RNG seed.", rich_help_panel=_TUNING),
+        ] = None,
+        max_retries: Annotated[int, typer.Option(rich_help_panel=_RELIABILITY)] = 5,
+        retry_initial_backoff: Annotated[
+            float, typer.Option(help="Seconds; x1.5 per retry.", rich_help_panel=_RELIABILITY)
+        ] = 0.05,
+        retry_max_backoff: Annotated[float, typer.Option(rich_help_panel=_RELIABILITY)] = 30.0,
+        cb_failure_threshold: Annotated[int, typer.Option(rich_help_panel=_RELIABILITY)] = 10,
+        cb_success_threshold: Annotated[int, typer.Option(rich_help_panel=_RELIABILITY)] = 3,
+        cb_open: Annotated[
+            float,
+            typer.Option(
+                help="Seconds a tripped breaker stays open.", rich_help_panel=_RELIABILITY
+            ),
+        ] = 60.0,
+        health_check_interval: Annotated[float, typer.Option(rich_help_panel=_RELIABILITY)] = 60.0,
+        health_check_timeout: Annotated[float, typer.Option(rich_help_panel=_RELIABILITY)] = 5.0,
+        health_failure_threshold: Annotated[int, typer.Option(rich_help_panel=_RELIABILITY)] = 3,
+        health_success_threshold: Annotated[int, typer.Option(rich_help_panel=_RELIABILITY)] = 2,
+        request_timeout: Annotated[
+            float, typer.Option(help="Seconds per attempt, streaming included.")
+        ] = 1800.0,
+        max_request_bytes: int = 32 * 1024 * 1024,
+    ) -> None:
+        """Route OpenAI requests over workers (defaults match sglang-router's)."""
+        from kvserve.core.routing.cache_aware import CacheAwareConfig
+        from kvserve.router import RouterConfig, run_router
+        from kvserve.router.config import CircuitBreakerConfig, HealthCheckConfig, RetryConfig
+
+        try:
+            config = RouterConfig(
+                worker_urls=(*worker_urls, *(more_worker_urls or ())),
+                policy=policy,
+                host=host,
+                port=port,
+                api_key=api_key,
+                admin_api_key=admin_api_key,
+                cache_aware=CacheAwareConfig(
+                    cache_threshold=cache_threshold,
+                    balance_abs_threshold=balance_abs_threshold,
+                    balance_rel_threshold=balance_rel_threshold,
+                    eviction_interval_s=eviction_interval,
+                    max_tree_size=max_tree_size,
+                ),
+                session_header=session_header,
+                seed=seed,
+                retry=RetryConfig(
+                    max_retries=max_retries,
+                    initial_backoff_s=retry_initial_backoff,
+                    max_backoff_s=retry_max_backoff,
+                ),
+                circuit_breaker=CircuitBreakerConfig(
+                    failure_threshold=cb_failure_threshold,
+                    success_threshold=cb_success_threshold,
+                    open_s=cb_open,
+                ),
+                health=HealthCheckConfig(
+                    interval_s=health_check_interval,
+                    timeout_s=health_check_timeout,
+                    failure_threshold=health_failure_threshold,
+                    success_threshold=health_success_threshold,
+                ),
+                request_timeout_s=request_timeout,
+                max_request_bytes=max_request_bytes,
+            )
+        except ValueError as error:
+            raise typer.BadParameter(str(error)) from error
+        run_router(config)

@@ -1,0 +1,155 @@
+"""An approximate prefix index: a character radix tree learned from routing history.
+
+Without a tokenizer or the workers' KV events, the router can still guess where a prompt's
+prefix is cached: on the workers it sent that prefix to before. Each node of this tree is
+a run of characters tagged with those workers ("tenants").
+
+Memory is bounded by one character budget for the whole tree (not per tenant, which lets
+the index grow with the fleet). Eviction removes least-recently-used leaves, so a prefix
+always outlives its extensions; each trim costs O(n + k log n) for k evicted nodes.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections.abc import Iterator
+
+
+class _Node:
+    __slots__ = ("children", "label", "last_access", "parent", "tenants")
+
+    def __init__(self, label: str, parent: _Node | None, now: float) -> None:
+        self.label = label
+        self.parent = parent
+        self.children: dict[str, _Node] = {}
+        self.tenants: set[str] = set()
+        self.last_access = now
+
+
+def _common_prefix_length(label: str, text: str, start: int) -> int:
+    """Length of the common prefix of ``label`` and ``text[start:]``, compared in C."""
+    if text.startswith(label, start):
+        return len(label)
+    low, high = 0, min(len(label), len(text) - start)
+    while low < high:  # invariant: label[:low] matches, label[:high + 1] does not
+        mid = (low + high + 1) // 2
+        if text.startswith(label[:mid], start):
+            low = mid
+        else:
+            high = mid - 1
+    return low
+
+
+class ApproximatePrefixTree:
+    """Prompts routed so far, as a radix tree of characters tagged with tenants."""
+
+    def __init__(self) -> None:
+        self._root = _Node("", None, 0.0)
+        self.size_chars = 0
+
+    def insert(self, text: str, tenant: str, now: float) -> None:
+        """Record that ``text`` was sent to ``tenant`` at time ``now``."""
+        node, pos = self._root, 0
+        node.last_access = now
+        while pos < len(text):
+            child = node.children.get(text[pos])
+            if child is None:
+                child = _Node(text[pos:], node, now)
+                node.children[text[pos]] = child
+                self.size_chars += len(child.label)
+                child.tenants.add(tenant)
+                return
+            common = _common_prefix_length(child.label, text, pos)
+            if common < len(child.label):
+                child = self._split(child, common)
+            child.tenants.add(tenant)
+            child.last_access = now
+            node, pos = child, pos + common
+
+    def match(self, text: str) -> dict[str, int]:
+        """Characters of ``text``'s longest cached prefix, per tenant that holds one.
+
+        Read-only: access times change when the routed prompt is inserted.
+        """
+        path: list[tuple[int, _Node]] = []
+        node, pos = self._root, 0
+        while pos < len(text):
+            child = node.children.get(text[pos])
+            if child is None:
+                break
+            common = _common_prefix_length(child.label, text, pos)
+            pos += common
+            path.append((pos, child))
+            if common < len(child.label):
+                break
+            node = child
+        matched: dict[str, int] = {}
+        for depth, on_path in reversed(path):
+            for tenant in on_path.tenants:
+                matched.setdefault(tenant, depth)
+        return matched
+
+    def evict_to(self, max_chars: int) -> int:
+        """Drop least-recently-used leaves until the tree holds at most ``max_chars``.
+
+        Returns the number of characters evicted.
+        """
+        if self.size_chars <= max_chars:
+            return 0
+        order = itertools.count()
+        heap = [(leaf.last_access, next(order), leaf) for leaf in self._leaves()]
+        heapq.heapify(heap)
+        evicted = 0
+        while heap and self.size_chars > max_chars:
+            _, _, leaf = heapq.heappop(heap)
+            parent = leaf.parent
+            assert parent is not None
+            evicted += self._detach(leaf)
+            if parent is not self._root and not parent.children:
+                heapq.heappush(heap, (parent.last_access, next(order), parent))
+        return evicted
+
+    def remove_tenant(self, tenant: str) -> None:
+        """Forget a worker everywhere (it left the fleet); nodes left untagged go."""
+        stack = [self._root]
+        while stack:
+            node = stack.pop()
+            for child in list(node.children.values()):
+                child.tenants.discard(tenant)
+                if child.tenants:
+                    stack.append(child)
+                else:
+                    self._detach(child)
+
+    def _split(self, child: _Node, at: int) -> _Node:
+        """Cut ``child``'s label at ``at``; the new upper node inherits its tags."""
+        parent = child.parent
+        assert parent is not None
+        upper = _Node(child.label[:at], parent, child.last_access)
+        upper.tenants = set(child.tenants)
+        parent.children[upper.label[0]] = upper
+        child.label = child.label[at:]
+        child.parent = upper
+        upper.children[child.label[0]] = child
+        return upper
+
+    def _detach(self, node: _Node) -> int:
+        """Remove ``node`` and its subtree; returns the characters freed."""
+        parent = node.parent
+        assert parent is not None
+        del parent.children[node.label[0]]
+        freed = sum(len(n.label) for n in self._subtree(node))
+        self.size_chars -= freed
+        return freed
+
+    def _leaves(self) -> Iterator[_Node]:
+        return (n for n in self._subtree(self._root) if not n.children and n is not self._root)
+
+    @staticmethod
+    def _subtree(node: _Node) -> Iterator[_Node]:
+        stack = [node]
+        while stack:
+            current = stack.pop()
+            yield current
+            stack.extend(current.children.values())

@@ -1,0 +1,51 @@
+"""The values a routing policy reads and returns, shared by the router and the simulator."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerLoad:
+    """What the router itself holds on a worker at selection time.
+
+    Load is the router's own accounting (guards taken at selection), not what the worker
+    reports: it is exact for the traffic this router sends and needs no round trip.
+    """
+
+    worker_id: str
+    in_flight_requests: int = 0
+    in_flight_prefill_tokens: int = 0
+
+    @property
+    def sort_key(self) -> tuple[int, int]:
+        """Fewer requests first; among equals, less prefill work queued."""
+        return (self.in_flight_requests, self.in_flight_prefill_tokens)
+
+
+@dataclass(frozen=True, slots=True)
+class RouteQuery:
+    """The parts of a request that policies look at.
+
+    ``text`` is the prompt as the router sees it (no tokenizer: characters), ``pool`` and
+    ``model`` select the policy state so that one pool's history never steers another's.
+    """
+
+    text: str
+    model: str = ""
+    pool: str = "regular"
+    session_key: str | None = None
+    prefill_tokens: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class RoutingDecision:
+    """Which worker and why: shown to clients in ``x-kvserve-decision`` and counted."""
+
+    worker_id: str
+    policy: str
+    reason: str
+    matched_fraction: float = 0.0
+
+    def header_value(self) -> str:
+        return f"policy={self.policy}; reason={self.reason}; matched={self.matched_fraction:.3f}"

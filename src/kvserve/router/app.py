@@ -1,0 +1,190 @@
+"""The router's HTTP app: OpenAI endpoints proxied to the fleet, control plane, health and
+metrics. One shared client session pools connections to all workers."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator
+
+import aiohttp
+import orjson
+from aiohttp import web
+
+from kvserve.router.config import RouterConfig
+from kvserve.router.errors import openai_error
+from kvserve.router.health import HealthChecker
+from kvserve.router.load_guard import LoadTracker
+from kvserve.router.metrics import RouterMetrics
+from kvserve.router.policies import make_policy
+from kvserve.router.proxy import Proxy
+from kvserve.router.worker_registry import Worker, WorkerRegistry
+
+log = logging.getLogger(__name__)
+
+
+def _json(payload: object, status: int = 200) -> web.Response:
+    return web.Response(status=status, body=orjson.dumps(payload), content_type="application/json")
+
+
+def _bearer_matches(request: web.Request, key: str | None) -> bool:
+    return key is None or request.headers.get("Authorization") == f"Bearer {key}"
+
+
+def _unauthorized() -> web.Response:
+    return openai_error(
+        401, "invalid or missing API key", error_type="authentication_error", code="invalid_api_key"
+    )
+
+
+class Router:
+    """Everything one router process holds; handlers are its methods."""
+
+    def __init__(self, config: RouterConfig) -> None:
+        self.config = config
+        self.metrics = RouterMetrics()
+        self.tracker = LoadTracker(on_change=self.metrics.show_load)
+        self.registry = WorkerRegistry(config.circuit_breaker)
+        for url in config.worker_urls:
+            self.registry.add(url)
+        self.policy = make_policy(config, time.monotonic())
+        self._admin_key = config.admin_api_key or config.api_key
+        self._session: aiohttp.ClientSession | None = None
+        self._proxy: Proxy | None = None
+        self._health: HealthChecker | None = None
+
+    async def lifecycle(self, _app: web.Application) -> AsyncIterator[None]:
+        """Open the pooled session, check every worker once, then keep checking."""
+        connector = aiohttp.TCPConnector(limit=0)  # the fleet, not the pool, bounds load
+        async with aiohttp.ClientSession(connector=connector) as session:
+            self._session = session
+            self._proxy = Proxy(
+                self.config, self.registry, self.tracker, self.policy, self.metrics, session
+            )
+            self._health = HealthChecker(self.registry, self.config.health, self.metrics, session)
+            await self._health.probe_all()
+            checking = asyncio.create_task(self._health.run_forever())
+            yield
+            checking.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await checking
+
+    def build_app(self) -> web.Application:
+        app = web.Application(client_max_size=self.config.max_request_bytes)
+        app.cleanup_ctx.append(self.lifecycle)
+        app.add_routes(
+            [
+                web.post("/v1/completions", self.generate),
+                web.post("/v1/chat/completions", self.generate),
+                web.get("/v1/models", self.models),
+                web.get("/health", self.health),
+                web.get("/metrics", self.prometheus),
+                web.get("/workers", self.list_workers),
+                web.post("/workers", self.add_worker),
+                web.delete("/workers/{worker_id}", self.remove_worker),
+            ]
+        )
+        return app
+
+    async def generate(self, request: web.Request) -> web.StreamResponse:
+        if not _bearer_matches(request, self.config.api_key):
+            return _unauthorized()
+        assert self._proxy is not None
+        return await self._proxy.handle(request)
+
+    async def models(self, request: web.Request) -> web.Response:
+        """The first healthy worker's model list (every worker serves the same models)."""
+        if not _bearer_matches(request, self.config.api_key):
+            return _unauthorized()
+        assert self._session is not None
+        for worker in self.registry.accepting(time.monotonic(), "regular"):
+            try:
+                async with self._session.get(worker.url + "/v1/models") as upstream:
+                    return web.Response(
+                        status=upstream.status,
+                        body=await upstream.read(),
+                        content_type="application/json",
+                    )
+            except aiohttp.ClientError:
+                continue
+        return openai_error(
+            503, "no healthy worker is available", error_type="upstream_error", code="no_worker"
+        )
+
+    async def health(self, _request: web.Request) -> web.Response:
+        healthy = sum(1 for w in self.registry.all() if w.healthy)
+        return _json(
+            {"status": "ok" if healthy else "no_healthy_worker", "healthy_workers": healthy},
+            status=200 if healthy else 503,
+        )
+
+    async def prometheus(self, _request: web.Request) -> web.Response:
+        return web.Response(body=self.metrics.render(), content_type="text/plain")
+
+    def _describe(self, worker: Worker) -> dict[str, object]:
+        load = self.tracker.load(worker.worker_id)
+        return {
+            **worker.describe(),
+            "in_flight_requests": load.in_flight_requests,
+            "in_flight_prefill_tokens": load.in_flight_prefill_tokens,
+        }
+
+    async def list_workers(self, request: web.Request) -> web.Response:
+        if not _bearer_matches(request, self._admin_key):
+            return _unauthorized()
+        return _json({"workers": [self._describe(w) for w in self.registry.all()]})
+
+    async def add_worker(self, request: web.Request) -> web.Response:
+        """Register a worker and check it once, so the answer says whether it takes traffic."""
+        if not _bearer_matches(request, self._admin_key):
+            return _unauthorized()
+        try:
+            body = orjson.loads(await request.read())
+            worker = self.registry.add(str(body["url"]), str(body.get("pool", "regular")))
+        except (orjson.JSONDecodeError, TypeError, KeyError):
+            return openai_error(
+                400,
+                'expected {"url": "http://host:port"}',
+                error_type="invalid_request_error",
+                code="bad_worker",
+            )
+        except ValueError as error:
+            return openai_error(
+                409, str(error), error_type="invalid_request_error", code="bad_worker"
+            )
+        assert self._health is not None
+        await self._health.probe(worker)
+        log.info("added worker %s at %s", worker.worker_id, worker.url)
+        return _json(self._describe(worker), status=201)
+
+    async def remove_worker(self, request: web.Request) -> web.Response:
+        """Stop routing to a worker; its in-flight requests finish and release their load."""
+        if not _bearer_matches(request, self._admin_key):
+            return _unauthorized()
+        try:
+            worker = self.registry.remove(request.match_info["worker_id"])
+        except KeyError:
+            return openai_error(
+                404, "no such worker", error_type="invalid_request_error", code="unknown_worker"
+            )
+        self.policy.forget_worker(worker.worker_id)
+        with contextlib.suppress(KeyError):
+            self.metrics.worker_healthy.remove(worker.worker_id)
+        log.info("removed worker %s at %s", worker.worker_id, worker.url)
+        return _json(worker.describe())
+
+
+def run_router(config: RouterConfig) -> None:
+    """Serve until interrupted. A client disconnect cancels its handler, which releases
+    everything the request holds (see :mod:`kvserve.router.proxy`)."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    web.run_app(
+        Router(config).build_app(),
+        host=config.host,
+        port=config.port,
+        handler_cancellation=True,
+        access_log=None,
+        print=lambda _: log.info("kvserve router on http://%s:%d", config.host, config.port),
+    )

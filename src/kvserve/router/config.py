@@ -1,0 +1,68 @@
+"""Router settings and their defaults.
+
+Retry, circuit-breaker, health-check and timeout defaults are the SGLang model gateway's
+(``sglang_router.launch_router``), so the two routers behave alike out of the box.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kvserve.core.routing.cache_aware import CacheAwareConfig
+
+POLICY_NAMES = ("cache_aware", "round_robin", "random", "power_of_two", "session")
+
+
+@dataclass(frozen=True, slots=True)
+class RetryConfig:
+    """Retries of requests that have not streamed a byte yet, on another worker if any."""
+
+    max_retries: int = 5
+    initial_backoff_s: float = 0.05
+    max_backoff_s: float = 30.0
+    backoff_multiplier: float = 1.5
+    jitter: float = 0.2  # each delay is scaled by a random factor in [1 - jitter, 1 + jitter]
+
+
+@dataclass(frozen=True, slots=True)
+class CircuitBreakerConfig:
+    """Consecutive failures open a worker's breaker; after ``open_s`` trial traffic flows."""
+
+    failure_threshold: int = 10
+    success_threshold: int = 3
+    open_s: float = 60.0
+
+
+@dataclass(frozen=True, slots=True)
+class HealthCheckConfig:
+    interval_s: float = 60.0
+    timeout_s: float = 5.0
+    failure_threshold: int = 3
+    success_threshold: int = 2
+    endpoint: str = "/health"
+
+
+@dataclass(frozen=True, slots=True)
+class RouterConfig:
+    worker_urls: tuple[str, ...] = ()
+    policy: str = "cache_aware"
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None  # required from clients on /v1/* when set
+    admin_api_key: str | None = None  # required on /workers; falls back to api_key
+    cache_aware: CacheAwareConfig = field(default_factory=CacheAwareConfig)
+    session_header: str = "x-session-id"  # else the body's ``user`` field keys the session
+    session_virtual_nodes: int = 160
+    retry: RetryConfig = field(default_factory=RetryConfig)
+    circuit_breaker: CircuitBreakerConfig = field(default_factory=CircuitBreakerConfig)
+    health: HealthCheckConfig = field(default_factory=HealthCheckConfig)
+    request_timeout_s: float = 1800.0
+    max_request_bytes: int = 32 * 1024 * 1024
+    chars_per_token: float = 4.0  # prefill estimate without a tokenizer
+    seed: int | None = None  # for the random policies; None: seeded from the OS
+
+    def __post_init__(self) -> None:
+        if self.policy not in POLICY_NAMES:
+            raise ValueError(f"unknown policy {self.policy!r}; choose from {POLICY_NAMES}")
+        if self.request_timeout_s <= 0 or self.max_request_bytes <= 0:
+            raise ValueError("request timeout and size limit must be positive")

@@ -1,0 +1,21 @@
+"""A uniformly random worker: stateless, and the floor for cache hit rate."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+
+from kvserve.core.routing.types import RouteQuery, RoutingDecision, WorkerLoad
+from kvserve.router.policies.base import Policy
+
+
+class RandomPolicy(Policy):
+    name = "random"
+
+    def __init__(self, rng: random.Random) -> None:
+        self._rng = rng
+
+    def select(
+        self, query: RouteQuery, workers: Sequence[WorkerLoad], now: float
+    ) -> RoutingDecision:
+        return RoutingDecision(self._rng.choice(workers).worker_id, self.name, "random")

@@ -1,0 +1,260 @@
+"""Forwarding one OpenAI request: select, guard, send, relay, retry, account.
+
+Retries happen only before a byte has reached the client (a retryable status or an
+unreachable worker), on a worker not tried yet when there is one. Streams are relayed as
+the bytes arrive, never re-encoded. Every attempt's load guard is released in a
+``finally``, so no exit path (including cancellation on client disconnect) leaks load.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import aiohttp
+import orjson
+from aiohttp import web
+
+from kvserve.core.routing.types import RouteQuery, RoutingDecision
+from kvserve.router.config import RouterConfig
+from kvserve.router.errors import openai_error
+from kvserve.router.load_guard import LoadGuard, LoadTracker
+from kvserve.router.metrics import RouterMetrics
+from kvserve.router.policies import Policy
+from kvserve.router.retry import RETRYABLE_STATUSES, backoff_delays
+from kvserve.router.route_query import build_route_query
+from kvserve.router.usage import StreamUsageReader, cached_tokens_in_body
+from kvserve.router.worker_registry import Worker, WorkerRegistry
+
+_FORWARDED_REQUEST_HEADERS = ("Content-Type", "Accept", "X-Request-Id")
+
+
+@dataclass(slots=True)
+class _Attempt:
+    """One try of a request on one worker, and the load it holds there."""
+
+    worker: Worker
+    decision: RoutingDecision
+    query: RouteQuery
+    guard: LoadGuard
+    started: float
+    headers: dict[str, str]
+
+
+@dataclass(frozen=True, slots=True)
+class _RetryableFailure:
+    """An attempt that failed before anything was sent to the client."""
+
+    response: web.Response
+
+
+class Proxy:
+    def __init__(
+        self,
+        config: RouterConfig,
+        registry: WorkerRegistry,
+        tracker: LoadTracker,
+        policy: Policy,
+        metrics: RouterMetrics,
+        session: aiohttp.ClientSession,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._config = config
+        self._registry = registry
+        self._tracker = tracker
+        self._policy = policy
+        self._metrics = metrics
+        self._session = session
+        self._clock = clock
+        self._rng = random.Random(config.seed)
+        self._timeout = aiohttp.ClientTimeout(total=config.request_timeout_s)
+
+    async def handle(self, request: web.Request) -> web.StreamResponse:
+        try:
+            raw = await request.read()
+        except web.HTTPRequestEntityTooLarge:
+            return self._reject(413, "request body too large", "request_too_large")
+        try:
+            body = orjson.loads(raw)
+        except orjson.JSONDecodeError:
+            return self._reject(400, "request body is not valid JSON", "invalid_json")
+        if not isinstance(body, dict):
+            return self._reject(400, "request body must be a JSON object", "invalid_json")
+        query = build_route_query(
+            body,
+            request.headers,
+            session_header=self._config.session_header,
+            chars_per_token=self._config.chars_per_token,
+        )
+        delays = backoff_delays(self._config.retry, self._rng)
+        tried: set[str] = set()
+        while True:
+            selected = self._select(query, tried)
+            if selected is None:
+                return self._reject(503, "no healthy worker is available", "no_worker")
+            worker, decision = selected
+            tried.add(worker.worker_id)
+            outcome = await self._attempt(request, raw, query, worker, decision)
+            if not isinstance(outcome, _RetryableFailure):
+                return outcome
+            delay = next(delays, None)
+            if delay is None:
+                return outcome.response
+            self._metrics.retries.labels(worker.worker_id).inc()
+            await asyncio.sleep(delay)
+
+    def _select(self, query: RouteQuery, tried: set[str]) -> tuple[Worker, RoutingDecision] | None:
+        now = self._clock()
+        workers = self._registry.accepting(now, query.pool, exclude=tried)
+        if not workers:  # every candidate failed once: retry among them rather than give up
+            workers = self._registry.accepting(now, query.pool)
+        if not workers:
+            return None
+        loads = [self._tracker.load(w.worker_id) for w in workers]
+        decision = self._policy.select(query, loads, now)
+        self._metrics.decisions.labels(decision.policy, decision.reason).inc()
+        by_id = {w.worker_id: w for w in workers}
+        return by_id[decision.worker_id], decision
+
+    async def _attempt(
+        self,
+        request: web.Request,
+        raw: bytes,
+        query: RouteQuery,
+        worker: Worker,
+        decision: RoutingDecision,
+    ) -> web.StreamResponse | _RetryableFailure:
+        attempt = _Attempt(
+            worker=worker,
+            decision=decision,
+            query=query,
+            guard=self._tracker.acquire(worker.worker_id, query.prefill_tokens),
+            started=self._clock(),
+            headers={
+                "x-kvserve-worker": worker.worker_id,
+                "x-kvserve-decision": decision.header_value(),
+            },
+        )
+        try:
+            async with self._session.post(
+                worker.url + request.path,
+                data=raw,
+                headers=self._upstream_headers(request),
+                timeout=self._timeout,
+            ) as upstream:
+                if upstream.status in RETRYABLE_STATUSES:
+                    self._record_failure(worker, f"status_{upstream.status}")
+                    payload = await upstream.read()
+                    return _RetryableFailure(
+                        web.Response(status=upstream.status, body=payload, headers=attempt.headers)
+                    )
+                attempt.headers["Content-Type"] = upstream.headers.get(
+                    "Content-Type", "application/json"
+                )
+                if upstream.content_type == "text/event-stream":
+                    return await self._relay_stream(request, upstream, attempt)
+                payload = await upstream.read()
+                self._first_byte(attempt)
+                self._finish(attempt, upstream.status, cached_tokens_in_body(payload))
+                return web.Response(status=upstream.status, body=payload, headers=attempt.headers)
+        except TimeoutError:
+            self._record_failure(worker, "timeout")
+            return openai_error(
+                504,
+                "the worker did not answer in time",
+                error_type="timeout",
+                code="upstream_timeout",
+                headers=attempt.headers,
+            )
+        except aiohttp.ClientError as error:
+            self._record_failure(worker, "unreachable")
+            return _RetryableFailure(
+                openai_error(
+                    502,
+                    f"worker unreachable: {error}",
+                    error_type="upstream_error",
+                    code="worker_unreachable",
+                    headers=attempt.headers,
+                )
+            )
+        finally:
+            attempt.guard.release()
+
+    async def _relay_stream(
+        self, request: web.Request, upstream: aiohttp.ClientResponse, attempt: _Attempt
+    ) -> web.StreamResponse:
+        """Relay SSE bytes as they come; from here on, nothing can be retried."""
+        attempt.headers["Cache-Control"] = "no-cache"
+        response = web.StreamResponse(status=upstream.status, headers=attempt.headers)
+        await response.prepare(request)
+        usage = StreamUsageReader()
+        try:
+            async for chunk in upstream.content.iter_any():
+                if not attempt.guard.prefill_released:
+                    self._first_byte(attempt)
+                usage.feed(chunk)
+                try:
+                    await response.write(chunk)
+                except ConnectionResetError:
+                    self._metrics.errors.labels(attempt.worker.worker_id, "client_gone").inc()
+                    return response
+        except (aiohttp.ClientError, TimeoutError) as error:
+            kind = "timeout" if isinstance(error, TimeoutError) else "stream_broken"
+            self._record_failure(attempt.worker, kind)
+            await self._send_stream_error(response, f"worker stream ended early: {kind}")
+            return response
+        self._finish(attempt, upstream.status, usage.cached_tokens)
+        await response.write_eof()
+        return response
+
+    async def _send_stream_error(self, response: web.StreamResponse, message: str) -> None:
+        event = {
+            "error": {
+                "message": message,
+                "type": "upstream_error",
+                "param": None,
+                "code": "stream_broken",
+            }
+        }
+        try:
+            await response.write(b"data: " + orjson.dumps(event) + b"\n\n")
+            await response.write_eof()
+        except ConnectionResetError:
+            pass  # the client left as well
+
+    def _first_byte(self, attempt: _Attempt) -> None:
+        """Prefill is over on the worker: its prefill tokens no longer count as load."""
+        attempt.guard.release_prefill()
+        self._metrics.ttft.labels(attempt.worker.worker_id).observe(self._clock() - attempt.started)
+
+    def _finish(self, attempt: _Attempt, status: int, reported_cached: int | None) -> None:
+        worker_id = attempt.worker.worker_id
+        self._metrics.requests.labels(worker_id, str(status)).inc()
+        self._metrics.e2e.labels(worker_id).observe(self._clock() - attempt.started)
+        if status >= 500:
+            attempt.worker.breaker.record_failure(self._clock())
+            return
+        attempt.worker.breaker.record_success()
+        if status < 400:
+            predicted = attempt.decision.matched_fraction * attempt.query.prefill_tokens
+            self._metrics.predicted_cached_tokens.labels(worker_id).inc(predicted)
+            if reported_cached is not None:
+                self._metrics.reported_cached_tokens.labels(worker_id).inc(reported_cached)
+
+    def _record_failure(self, worker: Worker, kind: str) -> None:
+        self._metrics.errors.labels(worker.worker_id, kind).inc()
+        worker.breaker.record_failure(self._clock())
+
+    def _reject(self, status: int, message: str, code: str) -> web.Response:
+        self._metrics.errors.labels("none", code).inc()
+        return openai_error(status, message, error_type="invalid_request_error", code=code)
+
+    def _upstream_headers(self, request: web.Request) -> dict[str, str]:
+        present = (k for k in _FORWARDED_REQUEST_HEADERS if k in request.headers)
+        headers = {k: request.headers[k] for k in present}
+        if self._config.api_key is None and "Authorization" in request.headers:
+            headers["Authorization"] = request.headers["Authorization"]  # the backend's key
+        return headers

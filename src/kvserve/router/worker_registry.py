@@ -1,0 +1,88 @@
+"""The fleet as the router knows it: ids, URLs, health and breakers, changed at run time."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from kvserve.router.circuit_breaker import CircuitBreaker
+from kvserve.router.config import CircuitBreakerConfig, HealthCheckConfig
+
+
+@dataclass
+class Worker:
+    """One upstream server. ``healthy`` is None until its first health check answers."""
+
+    worker_id: str
+    url: str
+    breaker: CircuitBreaker
+    pool: str = "regular"
+    healthy: bool | None = None
+    _streak_ok: int = field(default=0, repr=False)
+    _streak_failed: int = field(default=0, repr=False)
+
+    def accepts_traffic(self, now: float) -> bool:
+        return bool(self.healthy) and self.breaker.allows(now)
+
+    def record_health(self, ok: bool, config: HealthCheckConfig) -> bool:
+        """Count a health check; returns whether the worker's health changed.
+
+        The first answer decides at once (a new worker takes traffic when it is up);
+        afterwards it takes ``failure_threshold`` / ``success_threshold`` in a row.
+        """
+        before = self.healthy
+        if ok:
+            self._streak_ok, self._streak_failed = self._streak_ok + 1, 0
+            if self.healthy is None or self._streak_ok >= config.success_threshold:
+                self.healthy = True
+        else:
+            self._streak_ok, self._streak_failed = 0, self._streak_failed + 1
+            if self.healthy is None or self._streak_failed >= config.failure_threshold:
+                self.healthy = False
+        return before != self.healthy
+
+    def describe(self) -> dict[str, object]:
+        return {
+            "id": self.worker_id,
+            "url": self.url,
+            "pool": self.pool,
+            "healthy": self.healthy,
+            "circuit": self.breaker.state.value,
+        }
+
+
+class WorkerRegistry:
+    """Workers by stable id (``w0``, ``w1``, ... in order of arrival; never reused)."""
+
+    def __init__(self, breaker_config: CircuitBreakerConfig) -> None:
+        self._breaker_config = breaker_config
+        self._workers: dict[str, Worker] = {}
+        self._next_index = 0
+
+    def add(self, url: str, pool: str = "regular") -> Worker:
+        url = url.rstrip("/")
+        if not url.startswith(("http://", "https://")):
+            raise ValueError(f"worker URL must start with http:// or https://: {url!r}")
+        if any(w.url == url for w in self._workers.values()):
+            raise ValueError(f"worker {url} is already registered")
+        worker = Worker(f"w{self._next_index}", url, CircuitBreaker(self._breaker_config), pool)
+        self._next_index += 1
+        self._workers[worker.worker_id] = worker
+        return worker
+
+    def remove(self, worker_id: str) -> Worker:
+        return self._workers.pop(worker_id)
+
+    def get(self, worker_id: str) -> Worker | None:
+        return self._workers.get(worker_id)
+
+    def all(self) -> list[Worker]:
+        return list(self._workers.values())
+
+    def accepting(self, now: float, pool: str, exclude: Iterable[str] = ()) -> list[Worker]:
+        skipped = set(exclude)
+        return [
+            w
+            for w in self._workers.values()
+            if w.pool == pool and w.worker_id not in skipped and w.accepts_traffic(now)
+        ]
