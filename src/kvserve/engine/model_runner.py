@@ -1,0 +1,105 @@
+"""One forward step of a model over the paged KV cache: the engine's only torch boundary.
+
+The scheduler decides which tokens run; the runner turns them into logits, writing each
+new token's K/V into the slots its block table names. Prefill chunks and decodes of many
+sequences share one forward.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from kvserve.engine.attention import SequenceSpan, StepLayout
+from kvserve.engine.device import pick_device, pick_dtype
+from kvserve.engine.kv_pool import KVPool
+from kvserve.engine.model_config import ModelConfig
+from kvserve.engine.models import MODEL_CLASSES
+from kvserve.engine.weights import CheckpointTensors
+
+
+@dataclass
+class SequenceBatchItem:
+    token_ids: list[int]  # the tokens to compute this step
+    start_pos: int  # tokens already in the KV cache for this sequence
+    block_table: list[int]  # covers start_pos + len(token_ids) tokens
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model_dir: str | Path,
+        *,
+        num_blocks: int,
+        block_size: int,
+        device: str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        self.config = ModelConfig.from_dir(model_dir)
+        self.device = pick_device(device)
+        self.dtype = pick_dtype(self.config, self.device, dtype)
+        tensors = CheckpointTensors(model_dir, dtype=self.dtype, device=self.device)
+        model_class = MODEL_CLASSES[self.config.architecture]
+        self.model = model_class(self.config, tensors, dtype=self.dtype, device=self.device)
+        self.block_size = block_size
+        self.kv_pool = KVPool(
+            num_layers=self.config.num_layers,
+            num_blocks=num_blocks,
+            block_size=block_size,
+            num_kv_heads=self.config.num_kv_heads,
+            head_dim=self.config.head_dim,
+            dtype=self.dtype,
+            device=self.device,
+        )
+        self._windows = set(self.config.sliding_windows)
+
+    @staticmethod
+    def blocks_for_memory(
+        config: ModelConfig, block_size: int, num_bytes: int, dtype: torch.dtype
+    ) -> int:
+        """How many KV blocks fit in ``num_bytes``."""
+        per_block = KVPool.bytes_per_block(
+            num_layers=config.num_layers,
+            block_size=block_size,
+            num_kv_heads=config.num_kv_heads,
+            head_dim=config.head_dim,
+            dtype=dtype,
+        )
+        return num_bytes // per_block
+
+    @torch.inference_mode()
+    def forward(self, batch: list[SequenceBatchItem]) -> torch.Tensor:
+        """Float32 logits ``[len(batch), vocab_size]`` of each item's last new token."""
+        self._check(batch)
+        spans = [
+            SequenceSpan(item.start_pos, len(item.token_ids), item.block_table) for item in batch
+        ]
+        layout = StepLayout.build(
+            spans, block_size=self.block_size, windows=self._windows, device=self.device
+        )
+        token_ids = torch.tensor(
+            [t for item in batch for t in item.token_ids], dtype=torch.long, device=self.device
+        )
+        max_position = max(item.start_pos + len(item.token_ids) for item in batch) - 1
+        hidden = self.model.forward(token_ids, layout, self.kv_pool, max_position)
+        return self.model.logits(hidden)
+
+    def _check(self, batch: list[SequenceBatchItem]) -> None:
+        """Reject what would otherwise write K/V into another sequence's block or crash
+        inside torch with an unhelpful message."""
+        if not batch:
+            raise ValueError("forward needs at least one sequence")
+        for item in batch:
+            if not item.token_ids or item.start_pos < 0:
+                raise ValueError(
+                    f"bad batch item: {len(item.token_ids)} tokens at {item.start_pos}"
+                )
+            needed = -(-(item.start_pos + len(item.token_ids)) // self.block_size)
+            if len(item.block_table) < needed:
+                raise ValueError(f"block table has {len(item.block_table)} blocks, {needed} needed")
+            if any(not 0 <= b < self.kv_pool.num_blocks for b in item.block_table[:needed]):
+                raise ValueError(f"block id out of range [0, {self.kv_pool.num_blocks})")
+            if any(not 0 <= t < self.config.vocab_size for t in item.token_ids):
+                raise ValueError(f"token id out of range [0, {self.config.vocab_size})")

@@ -1,0 +1,11 @@
+"""Model implementations by the ``architectures`` name in ``config.json``."""
+
+from __future__ import annotations
+
+from kvserve.engine.model_config import SUPPORTED_ARCHITECTURES
+from kvserve.engine.models.llama import LlamaFamilyModel
+
+# Every supported architecture is a Llama-family decoder; flags carry the differences.
+MODEL_CLASSES: dict[str, type[LlamaFamilyModel]] = dict.fromkeys(
+    SUPPORTED_ARCHITECTURES, LlamaFamilyModel
+)

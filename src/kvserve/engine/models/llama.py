@@ -1,0 +1,155 @@
+"""The Llama family decoder (Llama 2/3, Mistral, Qwen2/2.5, Qwen3) over a paged KV cache.
+
+The families differ only in flags (biases, q/k norm, windows, RoPE), resolved in
+``ModelConfig``. Projections that read the same input are fused at load (q/k/v into one
+matrix, gate/up into another) so a layer is a handful of large ops on the whole step's
+tokens; at the small hidden sizes of tests and CPU serving, op count dominates time.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from kvserve.engine.attention import StepLayout, paged_attention
+from kvserve.engine.kv_pool import KVPool
+from kvserve.engine.model_config import ModelConfig
+from kvserve.engine.models.rope import RotaryTable, apply_rotary
+from kvserve.engine.weights import CheckpointTensors
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """In float32 then back, as the reference implementation does."""
+    x32 = x.to(torch.float32)
+    normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * normed.to(x.dtype)
+
+
+@dataclass(frozen=True, slots=True)
+class _Layer:
+    input_norm: torch.Tensor
+    qkv_weight: torch.Tensor
+    qkv_bias: torch.Tensor | None
+    q_norm: torch.Tensor | None
+    k_norm: torch.Tensor | None
+    o_weight: torch.Tensor
+    o_bias: torch.Tensor | None
+    post_norm: torch.Tensor
+    gate_up_weight: torch.Tensor
+    gate_up_bias: torch.Tensor | None
+    down_weight: torch.Tensor
+    down_bias: torch.Tensor | None
+    window: int | None
+
+
+def _load_layer(config: ModelConfig, tensors: CheckpointTensors, index: int) -> _Layer:
+    prefix = f"model.layers.{index}."
+    hidden, head_dim, inter = config.hidden_size, config.head_dim, config.intermediate_size
+    q_size, kv_size = config.num_heads * head_dim, config.num_kv_heads * head_dim
+    proj_sizes = {"q_proj": q_size, "k_proj": kv_size, "v_proj": kv_size}
+    flags = config.flags
+
+    def get(name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        return tensors.get(prefix + name, shape)
+
+    def fused(names: dict[str, int], module: str, in_dim: int, with_bias: bool):
+        weight = torch.cat(
+            [get(f"{module}.{n}.weight", (size, in_dim)) for n, size in names.items()]
+        )
+        if not with_bias:
+            return weight, None
+        return weight, torch.cat([get(f"{module}.{n}.bias", (size,)) for n, size in names.items()])
+
+    qkv_weight, qkv_bias = fused(proj_sizes, "self_attn", hidden, flags.qkv_bias)
+    gate_up_weight, gate_up_bias = fused(
+        {"gate_proj": inter, "up_proj": inter}, "mlp", hidden, config.mlp_bias
+    )
+    return _Layer(
+        input_norm=get("input_layernorm.weight", (hidden,)),
+        qkv_weight=qkv_weight,
+        qkv_bias=qkv_bias,
+        q_norm=get("self_attn.q_norm.weight", (head_dim,)) if flags.qk_norm else None,
+        k_norm=get("self_attn.k_norm.weight", (head_dim,)) if flags.qk_norm else None,
+        o_weight=get("self_attn.o_proj.weight", (hidden, q_size)),
+        o_bias=get("self_attn.o_proj.bias", (hidden,)) if flags.o_bias else None,
+        post_norm=get("post_attention_layernorm.weight", (hidden,)),
+        gate_up_weight=gate_up_weight,
+        gate_up_bias=gate_up_bias,
+        down_weight=get("mlp.down_proj.weight", (hidden, inter)),
+        down_bias=get("mlp.down_proj.bias", (hidden,)) if config.mlp_bias else None,
+        window=config.sliding_windows[index],
+    )
+
+
+class LlamaFamilyModel:
+    """Weights plus the forward pass; K/V live in a ``KVPool`` owned by the runner."""
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        tensors: CheckpointTensors,
+        *,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        self.config = config
+        vocab_shape = (config.vocab_size, config.hidden_size)
+        self.embed = tensors.get("model.embed_tokens.weight", vocab_shape)
+        self.lm_head = (
+            self.embed if config.tie_word_embeddings else tensors.get("lm_head.weight", vocab_shape)
+        )
+        self.final_norm = tensors.get("model.norm.weight", (config.hidden_size,))
+        self.layers = [_load_layer(config, tensors, i) for i in range(config.num_layers)]
+        self.rotary = RotaryTable(
+            config.rope,
+            config.head_dim,
+            dtype=dtype,
+            device=device,
+            initial_positions=min(config.max_position_embeddings, 4096),
+        )
+        self._scale = config.head_dim**-0.5
+
+    def forward(
+        self, token_ids: torch.Tensor, layout: StepLayout, kv_pool: KVPool, max_position: int
+    ) -> torch.Tensor:
+        """Hidden states after the final norm for the step's last tokens: ``[num_seqs, hidden]``."""
+        config = self.config
+        num_tokens = token_ids.shape[0]
+        q_size = config.num_heads * config.head_dim
+        kv_size = config.num_kv_heads * config.head_dim
+        cos, sin = self.rotary.lookup(layout.positions, max_position)
+        hidden = self.embed[token_ids]
+        for index, layer in enumerate(self.layers):
+            x = rms_norm(hidden, layer.input_norm, config.rms_norm_eps)
+            q, k, v = F.linear(x, layer.qkv_weight, layer.qkv_bias).split(
+                (q_size, kv_size, kv_size), dim=-1
+            )
+            q = q.view(num_tokens, config.num_heads, config.head_dim)
+            k = k.view(num_tokens, config.num_kv_heads, config.head_dim)
+            v = v.view(num_tokens, config.num_kv_heads, config.head_dim)
+            if layer.q_norm is not None:
+                q = rms_norm(q, layer.q_norm, config.rms_norm_eps)
+                k = rms_norm(k, layer.k_norm, config.rms_norm_eps)
+            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+            kv_pool.write(index, layout.slots, k, v)
+            attended = paged_attention(
+                q,
+                kv_pool.keys(index),
+                kv_pool.values(index),
+                layout,
+                window=layer.window,
+                scale=self._scale,
+            )
+            hidden = hidden + F.linear(
+                attended.view(num_tokens, q_size), layer.o_weight, layer.o_bias
+            )
+            x = rms_norm(hidden, layer.post_norm, config.rms_norm_eps)
+            gate, up = F.linear(x, layer.gate_up_weight, layer.gate_up_bias).chunk(2, dim=-1)
+            hidden = hidden + F.linear(F.silu(gate) * up, layer.down_weight, layer.down_bias)
+        last = hidden[layout.last_token_index]
+        return rms_norm(last, self.final_norm, config.rms_norm_eps)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return F.linear(hidden, self.lm_head).float()
