@@ -1,0 +1,36 @@
+"""Shared system prompts: each request is one of ``n_prefixes`` long prefixes plus a
+suffix of its own. Fewer prefixes, or longer ones, mean more reuse to find."""
+
+from __future__ import annotations
+
+import random
+
+from kvserve.bench.workloads.base import RequestSpec, Workload
+from kvserve.bench.workloads.content import ContentMaker
+
+
+def generate(
+    *,
+    requests: int = 256,
+    n_prefixes: int = 8,
+    prefix_len: int = 1024,
+    suffix_len: int = 64,
+    max_tokens: int = 32,
+    mode: str = "text",
+    vocab: int = 32000,
+    seed: int = 0,
+    limit: int | None = None,
+) -> Workload:
+    if n_prefixes < 1:
+        raise ValueError(f"n_prefixes must be >= 1, got {n_prefixes}")
+    count = requests if limit is None else min(requests, limit)
+    maker = ContentMaker(mode, vocab)
+    rng = random.Random(seed)
+    specs = []
+    for index in range(count):
+        prefix = maker.block(f"shared-prefix:{seed}:prefix:{rng.randrange(n_prefixes)}", prefix_len)
+        suffix = maker.block(f"shared-prefix:{seed}:suffix:{index}", suffix_len)
+        specs.append(
+            RequestSpec(arrival_s=0.0, max_tokens=max_tokens, prompt=maker.join([prefix, suffix]))
+        )
+    return Workload("shared-prefix", timed=False, size=count, requests=specs)
