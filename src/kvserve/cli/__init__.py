@@ -26,6 +26,7 @@ def _root() -> None:
 _COMMAND_MODULES = [
     "version",
     "make_tiny_model",
+    "bench",
 ]
 
 for _name in _COMMAND_MODULES:
