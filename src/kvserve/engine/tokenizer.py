@@ -52,7 +52,7 @@ class Tokenizer:
             for field in _SPECIAL_TOKEN_FIELDS
             if (text := _token_text(tokenizer_config.get(field))) is not None
         }
-        self.bos_token_id = self._id_of(self.special_tokens.get("bos_token"))
+        self.bos_token_id = self.token_to_id(self.special_tokens.get("bos_token"))
         self.eos_token_ids = self._stop_ids(folder, tokenizer_config)
         template_file = folder / "chat_template.jinja"
         self.chat_template: str | list[dict[str, str]] | None = (
@@ -62,7 +62,8 @@ class Tokenizer:
         )
         self.vocab_size = self._tokenizer.get_vocab_size(with_added_tokens=True)
 
-    def _id_of(self, token: str | None) -> int | None:
+    def token_to_id(self, token: str | None) -> int | None:
+        """The id of a token (special or not), None if the vocabulary lacks it."""
         return None if token is None else self._tokenizer.token_to_id(token)
 
     def _stop_ids(self, folder: Path, tokenizer_config: dict[str, Any]) -> frozenset[int]:
@@ -72,7 +73,7 @@ class Tokenizer:
             token_id_list(_optional_json(folder / "generation_config.json").get("eos_token_id"))
         )
         ids |= set(token_id_list(_optional_json(folder / "config.json").get("eos_token_id")))
-        eos = self._id_of(_token_text(tokenizer_config.get("eos_token")))
+        eos = self.token_to_id(_token_text(tokenizer_config.get("eos_token")))
         if eos is not None:
             ids.add(eos)
         return frozenset(ids)

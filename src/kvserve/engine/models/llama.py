@@ -97,9 +97,10 @@ class LlamaFamilyModel:
         self.config = config
         vocab_shape = (config.vocab_size, config.hidden_size)
         self.embed = tensors.get("model.embed_tokens.weight", vocab_shape)
-        self.lm_head = (
-            self.embed if config.tie_word_embeddings else tensors.get("lm_head.weight", vocab_shape)
-        )
+        # Like transformers: a checkpoint that ships its own lm_head keeps it, whatever the
+        # tie flag says; only an absent one is tied to the embeddings.
+        tied = config.tie_word_embeddings and "lm_head.weight" not in tensors
+        self.lm_head = self.embed if tied else tensors.get("lm_head.weight", vocab_shape)
         self.final_norm = tensors.get("model.norm.weight", (config.hidden_size,))
         self.layers = [_load_layer(config, tensors, i) for i in range(config.num_layers)]
         self.rotary = RotaryTable(
