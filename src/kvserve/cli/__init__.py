@@ -27,6 +27,7 @@ _COMMAND_MODULES = [
     "version",
     "make_tiny_model",
     "bench",
+    "router",
 ]
 
 for _name in _COMMAND_MODULES:
