@@ -82,3 +82,21 @@ class ServerProcess:
 
     def __exit__(self, *_exc: object) -> None:
         self.stop()
+
+
+FOREIGN_SERVER = REPO_ROOT / "tests" / "support" / "foreign_openai_server.py"
+
+
+def start_foreign_server(
+    name: str, port: int, *, ttft_s: float = 0.0, token_delay_s: float = 0.0
+) -> ServerProcess:
+    """The test's own OpenAI-compatible server (not kvserve), healthy on return."""
+    args = [sys.executable, str(FOREIGN_SERVER), "--port", str(port), "--name", name]
+    args += ["--ttft", str(ttft_s), "--token-delay", str(token_delay_s)]
+    return ServerProcess(args, f"http://127.0.0.1:{port}", name=f"foreign-{name}").wait_healthy()
+
+
+def start_router(worker_urls: Sequence[str], port: int, *options: str) -> ServerProcess:
+    """``kvserve router`` over ``worker_urls``, healthy (some worker up) on return."""
+    args = [*KVSERVE, "router", "--port", str(port), "--worker-urls", *worker_urls, *options]
+    return ServerProcess(args, f"http://127.0.0.1:{port}", name="router").wait_healthy()

@@ -1,0 +1,75 @@
+"""Keys, limits and the worker API of a real router process."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import httpx
+import pytest
+from tests.support.ports import free_port
+from tests.support.processes import ServerProcess, start_router
+
+API = {"Authorization": "Bearer client-key"}
+ADMIN = {"Authorization": "Bearer admin-key"}
+
+
+@pytest.fixture(scope="module")
+def router(foreign_fleet: list[ServerProcess]) -> Iterator[ServerProcess]:
+    options = ["--api-key", "client-key", "--admin-api-key", "admin-key"]
+    options += ["--max-request-bytes", "4096", "--policy", "round_robin"]
+    with start_router([foreign_fleet[0].url], free_port(), *options) as process:
+        yield process
+
+
+@pytest.fixture
+def client(router: ServerProcess) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=router.url, timeout=10.0) as http:
+        yield http
+
+
+def test_api_key_guards_the_openai_endpoints(client: httpx.Client) -> None:
+    assert client.post("/v1/completions", json={"prompt": "x"}).status_code == 401
+    assert client.post("/v1/completions", json={"prompt": "x"}, headers=ADMIN).status_code == 401
+    assert client.post("/v1/completions", json={"prompt": "x"}, headers=API).status_code == 200
+    assert client.get("/v1/models", headers=API).json()["data"][0]["id"] == "foreign"
+    assert client.get("/health").status_code == 200  # probes need no key
+
+
+def test_admin_key_guards_the_worker_api(client: httpx.Client) -> None:
+    assert client.get("/workers", headers=API).status_code == 401
+    listed = client.get("/workers", headers=ADMIN).json()["workers"]
+    assert [(w["id"], w["healthy"], w["circuit"]) for w in listed] == [("w0", True, "closed")]
+
+
+def test_bad_requests_get_openai_errors(client: httpx.Client) -> None:
+    too_big = client.post("/v1/completions", json={"prompt": "x" * 5000}, headers=API)
+    assert too_big.status_code == 413
+    assert too_big.json()["error"]["code"] == "request_too_large"
+    not_json = client.post("/v1/completions", content=b"{nope", headers=API)
+    assert (not_json.status_code, not_json.json()["error"]["code"]) == (400, "invalid_json")
+    assert client.post("/v1/completions", json=[1], headers=API).status_code == 400
+
+
+def test_workers_added_and_removed_at_run_time(
+    client: httpx.Client, foreign_fleet: list[ServerProcess]
+) -> None:
+    duplicate = client.post("/workers", json={"url": foreign_fleet[0].url}, headers=ADMIN)
+    assert duplicate.status_code == 409
+    assert client.post("/workers", json={"nope": 1}, headers=ADMIN).status_code == 400
+    added = client.post("/workers", json={"url": foreign_fleet[1].url}, headers=ADMIN)
+    assert added.status_code == 201 and added.json()["id"] == "w1"
+    served = {
+        client.post("/v1/completions", json={"prompt": "x"}, headers=API).json()[
+            "system_fingerprint"
+        ]
+        for _ in range(4)
+    }
+    assert served == {"A", "B"}
+    down = client.post("/workers", json={"url": f"http://127.0.0.1:{free_port()}"}, headers=ADMIN)
+    assert down.status_code == 201 and down.json()["healthy"] is False
+    for worker in ("w0", "w1", "w2"):
+        assert client.delete(f"/workers/{worker}", headers=ADMIN).status_code == 200
+    assert client.delete("/workers/w0", headers=ADMIN).status_code == 404
+    no_worker = client.post("/v1/completions", json={"prompt": "x"}, headers=API)
+    assert (no_worker.status_code, no_worker.json()["error"]["code"]) == (503, "no_worker")
+    assert client.get("/health").status_code == 503

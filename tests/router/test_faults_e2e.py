@@ -1,0 +1,74 @@
+"""A worker killed mid-run: its stream ends, it is marked unhealthy and skipped, nothing
+hangs, and it is readmitted when it comes back on the same address."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import httpx
+from tests.support.metrics_text import by_label, samples
+from tests.support.ports import free_port
+from tests.support.processes import start_foreign_server, start_router
+
+RETRIES = "kvserve_router_retries_total"
+IN_FLIGHT = "kvserve_router_in_flight_requests"
+
+
+def _wait_for(condition: Callable[[], bool], timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting until {what}"
+        time.sleep(0.05)
+
+
+def test_killed_worker_is_skipped_then_readmitted() -> None:
+    survivor = start_foreign_server("A", free_port())
+    victim_port = free_port()
+    victim = start_foreign_server("B", victim_port)
+    options = ["--policy", "round_robin", "--max-retries", "2", "--retry-initial-backoff", "0.01"]
+    options += ["--health-check-interval", "0.2", "--health-check-timeout", "0.5"]
+    options += ["--health-failure-threshold", "2", "--health-success-threshold", "2"]
+    router = start_router([survivor.url, victim.url], free_port(), *options)
+    client = httpx.Client(base_url=router.url, timeout=5.0)
+
+    def victim_healthy() -> bool:
+        return client.get("/workers").json()["workers"][1]["healthy"]
+
+    try:
+        first = client.post("/v1/completions", json={"prompt": "a"})
+        assert first.headers["x-kvserve-worker"] == "w0"
+        body = {"prompt": "b", "stream": True, "x_test": {"tokens": 100, "token_delay": 0.05}}
+        started = time.monotonic()
+        with client.stream("POST", "/v1/completions", json=body) as stream:
+            assert stream.headers["x-kvserve-worker"] == "w1"
+            chunks = stream.iter_bytes()
+            next(chunks)
+            victim.kill()
+            rest = b"".join(chunks)
+        assert b"stream_broken" in rest and time.monotonic() - started < 4.0
+
+        for i in range(6):  # before the health check notices: retried on the survivor
+            response = client.post("/v1/completions", json={"prompt": f"during {i}"})
+            assert response.status_code == 200
+            assert response.json()["system_fingerprint"] == "A"
+        _wait_for(lambda: victim_healthy() is False, 3.0, "the dead worker is unhealthy")
+        retries_before = samples(router.url + "/metrics")
+        for i in range(4):
+            response = client.post("/v1/completions", json={"prompt": f"after {i}"})
+            assert response.headers["x-kvserve-worker"] == "w0"
+        retries_after = samples(router.url + "/metrics")
+        assert by_label(retries_after, RETRIES, "worker") == by_label(
+            retries_before, RETRIES, "worker"
+        )  # skipped, not tried and retried
+
+        victim = start_foreign_server("B", victim_port)
+        _wait_for(lambda: victim_healthy() is True, 3.0, "the worker is readmitted")
+        answers = [client.post("/v1/completions", json={"prompt": f"back {i}"}) for i in range(4)]
+        assert {a.json()["system_fingerprint"] for a in answers} == {"A", "B"}
+        held = by_label(samples(router.url + "/metrics"), IN_FLIGHT, "worker")
+        assert set(held.values()) == {0.0}
+    finally:
+        client.close()
+        for process in (router, survivor, victim):
+            process.stop()

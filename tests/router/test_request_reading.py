@@ -1,0 +1,76 @@
+"""What the router reads from requests (prompt, session key) and responses (cached tokens)."""
+
+from __future__ import annotations
+
+import random
+
+import orjson
+import pytest
+
+from kvserve.router.config import RetryConfig
+from kvserve.router.retry import backoff_delays
+from kvserve.router.route_query import build_route_query, prompt_text
+from kvserve.router.usage import StreamUsageReader, cached_tokens_in_body
+
+
+def test_chat_messages_flatten_in_order_with_roles() -> None:
+    body = {
+        "messages": [
+            {"role": "system", "content": "Be brief."},
+            {"role": "user", "content": [{"type": "text", "text": "Hi"}, {"type": "image"}]},
+        ]
+    }
+    assert prompt_text(body) == "system\nBe brief.\nuser\nHi\n"
+
+
+@pytest.mark.parametrize(
+    ("prompt", "text"),
+    [("plain", "plain"), (["a", "b"], "a\nb"), ([1, 2, 3], "1\n2\n3"), (None, "")],
+)
+def test_completion_prompts_of_every_shape(prompt: object, text: str) -> None:
+    assert prompt_text({"prompt": prompt}) == text
+
+
+def test_session_key_from_header_then_user_field() -> None:
+    def key(body: dict[str, object], headers: dict[str, str]) -> str | None:
+        return build_route_query(
+            body, headers, session_header="x-session-id", chars_per_token=4
+        ).session_key
+
+    assert key({"user": "alice"}, {"x-session-id": "s1"}) == "s1"
+    assert key({"user": "alice"}, {}) == "alice"
+    assert key({"user": 7}, {}) is None
+
+
+def test_prefill_estimate_is_characters_over_four() -> None:
+    query = build_route_query(
+        {"prompt": "x" * 400, "model": "m"}, {}, session_header="h", chars_per_token=4
+    )
+    assert (query.prefill_tokens, query.model, query.pool) == (100, "m", "regular")
+
+
+def test_cached_tokens_from_a_json_body() -> None:
+    body = {"usage": {"prompt_tokens": 9, "prompt_tokens_details": {"cached_tokens": 8}}}
+    assert cached_tokens_in_body(orjson.dumps(body)) == 8
+    assert cached_tokens_in_body(b'{"usage": null}') is None
+    assert cached_tokens_in_body(b"not json") is None
+
+
+def test_cached_tokens_from_a_stream_split_anywhere() -> None:
+    usage = {"choices": [], "usage": {"prompt_tokens_details": {"cached_tokens": 48}}}
+    stream = (
+        b'data: {"choices": [{"text": "a"}], "usage": null}\n\n'
+        + b"data: "
+        + orjson.dumps(usage)
+        + b"\n\ndata: [DONE]\n\n"
+    )
+    for cut in range(0, len(stream), 7):
+        reader = StreamUsageReader()
+        for start in range(0, len(stream), cut or len(stream)):
+            reader.feed(stream[start : start + (cut or len(stream))])
+        assert reader.cached_tokens == 48
+
+
+def test_backoff_grows_is_capped_and_stops_after_max_retries() -> None:
+    config = RetryConfig(max_retries=4, initial_backoff_s=1.0, max_backoff_s=2.0, jitter=0.0)
+    assert list(backoff_delays(config, random.Random(0))) == [1.0, 1.5, 2.0, 2.0]

@@ -1,0 +1,33 @@
+"""Reading Prometheus text exposition in tests, without a parser dependency."""
+
+from __future__ import annotations
+
+import re
+import urllib.request
+
+_SAMPLE = re.compile(r"^(\w+)(?:\{([^}]*)\})? (\S+)$")
+_LABEL = re.compile(r'(\w+)="([^"]*)"')
+
+
+def samples(url: str) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
+    """Every sample at ``url`` (a /metrics endpoint): (name, labels) -> value."""
+    with urllib.request.urlopen(url, timeout=5.0) as response:
+        text = response.read().decode()
+    found = {}
+    for line in text.splitlines():
+        match = _SAMPLE.match(line)
+        if match:
+            name, labels, value = match.groups()
+            found[(name, frozenset(_LABEL.findall(labels or "")))] = float(value)
+    return found
+
+
+def by_label(
+    all_samples: dict[tuple[str, frozenset[tuple[str, str]]], float], name: str, label: str
+) -> dict[str, float]:
+    """One metric's values keyed by one label's value, e.g. per worker."""
+    return {
+        dict(labels)[label]: value
+        for (metric, labels), value in all_samples.items()
+        if metric == name and label in dict(labels)
+    }
