@@ -1,0 +1,89 @@
+"""KV events: the ordered record of what a worker's cache holds (DESIGN.md §3).
+
+The router's exact cache index is rebuilt from these events alone, so every change of
+what is held emits one, in order, with no gaps in the sequence numbers. A subscriber
+that reads too slowly would otherwise make the log grow without bound; instead the log
+keeps a bounded history, and ``since`` tells a subscriber that fell behind (or that
+talks to a restarted log) to resynchronise from a snapshot by raising
+:class:`EventGapError`, never by silently skipping events.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+from itertools import islice
+from typing import Literal
+
+EventKind = Literal["stored", "removed", "cleared"]
+EVENT_KINDS: frozenset[str] = frozenset(("stored", "removed", "cleared"))
+DEFAULT_HISTORY = 10_000
+
+
+@dataclass(frozen=True, slots=True)
+class KVEvent:
+    """One change of what a tier holds.
+
+    ``stored``: ``block_hashes`` is a chain, parent first, and ``parent_hash`` is the hash
+    of the block before the first one (``None`` when the chain starts at the root).
+    ``removed``: the hashes dropped, in any order. ``cleared``: the tier now holds nothing.
+    """
+
+    seq: int
+    kind: EventKind
+    tier: str
+    block_hashes: tuple[int, ...]
+    parent_hash: int | None = None
+
+
+class EventGapError(Exception):
+    """The events a subscriber asked for are no longer (or not yet) in the log.
+
+    The subscriber's view can no longer be brought up to date incrementally: it must
+    take a snapshot (``KVCacheManager.snapshot()``) and continue from its sequence number.
+    """
+
+
+class EventLog:
+    """Sequence-numbered events with a bounded history."""
+
+    __slots__ = ("_history", "last_seq")
+
+    def __init__(self, max_history: int = DEFAULT_HISTORY) -> None:
+        if max_history <= 0:
+            raise ValueError(f"max_history must be positive, got {max_history}")
+        self._history: deque[KVEvent] = deque(maxlen=max_history)
+        self.last_seq = 0
+
+    def append(
+        self,
+        kind: EventKind,
+        tier: str,
+        block_hashes: Sequence[int],
+        parent_hash: int | None = None,
+    ) -> KVEvent:
+        if kind not in EVENT_KINDS:
+            raise ValueError(f"unknown KV event kind {kind!r}")
+        self.last_seq += 1
+        event = KVEvent(self.last_seq, kind, tier, tuple(block_hashes), parent_hash)
+        self._history.append(event)
+        return event
+
+    def since(self, seq: int) -> list[KVEvent]:
+        """Events with sequence number greater than ``seq``, oldest first.
+
+        Raises :class:`EventGapError` if some of them were dropped from the bounded
+        history, or if ``seq`` is ahead of this log (the log was restarted).
+        """
+        if seq > self.last_seq:
+            raise EventGapError(f"seq {seq} is ahead of this log (last seq {self.last_seq})")
+        if seq == self.last_seq:
+            return []
+        oldest = self.last_seq - len(self._history) + 1
+        if seq + 1 < oldest:
+            raise EventGapError(
+                f"events {seq + 1}..{oldest - 1} were dropped from the history; resync "
+                "from a snapshot"
+            )
+        return list(islice(self._history, seq + 1 - oldest, None))

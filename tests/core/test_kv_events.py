@@ -1,0 +1,55 @@
+import dataclasses
+
+import pytest
+
+from kvserve.core.kv_events import EventGapError, EventLog
+
+
+def test_sequence_numbers_start_at_one_without_gaps():
+    log = EventLog()
+    events = [log.append("stored", "device", [i], None) for i in range(5)]
+    assert [e.seq for e in events] == [1, 2, 3, 4, 5]
+    assert log.last_seq == 5
+    assert log.since(0) == events
+    assert log.since(3) == events[3:]
+    assert log.since(5) == []
+
+
+def test_event_carries_kind_tier_hashes_and_parent():
+    log = EventLog()
+    event = log.append("stored", "host", [11, 12], 10)
+    assert (event.kind, event.tier, event.block_hashes, event.parent_hash) == (
+        "stored",
+        "host",
+        (11, 12),
+        10,
+    )
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        event.seq = 9  # type: ignore[misc]
+
+
+def test_subscriber_that_fell_behind_is_told_to_resync():
+    log = EventLog(max_history=3)
+    for i in range(5):
+        log.append("removed", "device", [i])
+    assert [e.seq for e in log.since(2)] == [3, 4, 5]
+    with pytest.raises(EventGapError, match=r"events 2\.\.2 were dropped"):
+        log.since(1)
+    with pytest.raises(EventGapError, match="dropped"):
+        log.since(0)
+
+
+def test_subscriber_ahead_of_a_restarted_log_is_told_to_resync():
+    log = EventLog()
+    log.append("cleared", "device", [])
+    with pytest.raises(EventGapError, match="ahead"):
+        log.since(7)
+
+
+def test_rejects_unknown_kind_and_empty_history():
+    log = EventLog()
+    with pytest.raises(ValueError, match="unknown KV event kind"):
+        log.append("evicted", "device", [1])  # type: ignore[arg-type]
+    assert log.last_seq == 0
+    with pytest.raises(ValueError, match="max_history"):
+        EventLog(max_history=0)
