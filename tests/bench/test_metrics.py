@@ -48,7 +48,7 @@ def test_time_series_bins_by_completion_time() -> None:
         record(1, e2e_s=0.5, completion_tokens=20, prompt_tokens=10, cached_tokens=10),
         record(5, e2e_s=1.0, completion_tokens=6, prompt_tokens=4, cached_tokens=2),
     ]
-    series = time_series(records, bins=6)
+    series = time_series(records, duration_s=5.0, bins=6)
     assert series.bin_s == 1.0
     assert series.output_tokens_per_s == [10.0, 20.0, 0.0, 0.0, 0.0, 6.0]
     assert series.hit_rate == [0.0, 1.0, None, None, None, 0.5]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 from rich.console import Console
@@ -16,14 +17,10 @@ def compare_runs(run_dirs: list[Path], out_dir: Path, console: Console) -> Path:
     """Loads each run's ``results.json``; labels that repeat get their folder name."""
     reports = [load_results(d) for d in run_dirs]
     labels = [r.label for r in reports]
-    runs = [
-        (r.label if labels.count(r.label) == 1 else f"{r.label} ({d.name})", r.records)
+    reports = [
+        r if labels.count(r.label) == 1 else dataclasses.replace(r, label=f"{r.label} ({d.name})")
         for r, d in zip(reports, run_dirs, strict=True)
     ]
-    reports = [
-        type(r)(label, r.config, r.summary, r.records)
-        for r, (label, _) in zip(reports, runs, strict=True)
-    ]
     console.print(summary_table(reports))
-    plots = write_plots(runs, out_dir)
+    plots = write_plots(reports, out_dir)
     return write_markdown(reports, plots, out_dir, COMPARE_FILE)

@@ -111,10 +111,11 @@ class TimeSeries:
     hit_rate: list[float | None]  # None for a bin where no request finished
 
 
-def time_series(records: list[RequestRecord], bins: int = 30) -> TimeSeries:
+def time_series(records: list[RequestRecord], duration_s: float, bins: int = 30) -> TimeSeries:
+    """About ``bins`` bins over the run (``duration_s``, or longer if a request ended later)."""
     ok = [r for r in records if r.ok]
-    end = max((r.end_s for r in ok), default=0.0)
-    bin_s = _nice_bin(end / bins) if end > 0 else 1.0
+    end = max([duration_s, *(r.end_s for r in ok)])
+    bin_s = round_up_125(end / bins) if end > 0 else 1.0
     count = max(1, int(np.ceil(end / bin_s)))
     index = np.minimum((np.asarray([r.end_s for r in ok]) / bin_s).astype(int), count - 1)
     tokens = np.zeros(count)
@@ -131,7 +132,7 @@ def time_series(records: list[RequestRecord], bins: int = 30) -> TimeSeries:
     )
 
 
-def _nice_bin(raw: float) -> float:
-    """Rounds a bin width up to 1, 2 or 5 times a power of ten, for readable axes."""
+def round_up_125(raw: float) -> float:
+    """Rounds up to 1, 2 or 5 times a power of ten, for readable axes."""
     magnitude = 10 ** np.floor(np.log10(raw))
     return float(next(m * magnitude for m in (1, 2, 5, 10) if m * magnitude >= raw))

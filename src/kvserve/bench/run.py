@@ -78,7 +78,7 @@ def run_bench(options: BenchOptions, console: Console) -> tuple[RunReport, RunOu
         outcome.duration_s,
     )
     save_results(report, options.out)
-    plots = write_plots([(report.label, report.records)], options.out)
+    plots = write_plots([report], options.out)
     write_markdown([report], plots, options.out, REPORT_FILE)
     console.print(summary_table([report]))
     return report, outcome
