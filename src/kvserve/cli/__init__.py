@@ -25,6 +25,7 @@ def _root() -> None:
 # One module per subcommand; each defines ``register(app)``.
 _COMMAND_MODULES = [
     "version",
+    "worker",
     "make_tiny_model",
     "bench",
     "router",

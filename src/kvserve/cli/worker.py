@@ -1,0 +1,68 @@
+"""``kvserve worker``: one engine behind the OpenAI HTTP API."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+
+def register(app: typer.Typer) -> None:
+    @app.command()
+    def worker(
+        model: Annotated[Path, typer.Option(help="Hugging Face model folder.", exists=True)],
+        host: Annotated[str, typer.Option(help="Address to listen on.")] = "127.0.0.1",
+        port: Annotated[int, typer.Option(help="Port to listen on.")] = 8001,
+        role: Annotated[str, typer.Option(help="mixed | prefill | decode.")] = "mixed",
+        block_size: Annotated[int, typer.Option(help="Tokens per KV block.")] = 16,
+        num_blocks: Annotated[
+            int | None, typer.Option(help="KV blocks in the device pool.")
+        ] = None,
+        kv_cache_memory: Annotated[
+            int | None, typer.Option(help="Bytes for the KV pool (instead of --num-blocks).")
+        ] = None,
+        max_num_batched_tokens: Annotated[
+            int, typer.Option(help="Token budget of one engine step.")
+        ] = 512,
+        api_key: Annotated[
+            str | None, typer.Option(help="Require 'Authorization: Bearer KEY' on /v1.")
+        ] = None,
+        worker_id: Annotated[
+            str | None, typer.Option(help="Id in x-kvserve-worker (default host:port).")
+        ] = None,
+        served_model_name: Annotated[
+            str | None, typer.Option(help="Model name clients use (default: folder name).")
+        ] = None,
+        shutdown_timeout: Annotated[
+            float, typer.Option(help="Seconds in-flight requests get on SIGTERM.")
+        ] = 30.0,
+        device: Annotated[str | None, typer.Option(help="cpu | cuda (default: best).")] = None,
+    ) -> None:
+        """Serve one engine: OpenAI API, /health, /load, /metrics, KV events."""
+        from kvserve.worker.config import WorkerConfig
+        from kvserve.worker.server import serve
+
+        if role not in ("mixed", "prefill", "decode"):
+            raise typer.BadParameter("role must be mixed, prefill or decode", param_hint="--role")
+        if num_blocks is not None and kv_cache_memory is not None:
+            raise typer.BadParameter("give --num-blocks or --kv-cache-memory, not both")
+        logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(message)s")
+        serve(
+            WorkerConfig(
+                model_dir=model,
+                host=host,
+                port=port,
+                role=role,  # type: ignore[arg-type]
+                block_size=block_size,
+                num_blocks=num_blocks,
+                kv_cache_memory=kv_cache_memory,
+                max_num_batched_tokens=max_num_batched_tokens,
+                api_key=api_key,
+                worker_id=worker_id,
+                model_name=served_model_name,
+                shutdown_timeout_s=shutdown_timeout,
+                device=device,
+            )
+        )

@@ -1,0 +1,82 @@
+"""The worker's ASGI app: OpenAI routes, health, load, metrics, KV events, debug.
+
+The engine is built before the app (loading weights can take long and can fail; that
+should happen before the port opens); the app's lifespan starts and stops the engine
+thread around serving.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import FastAPI
+from starlette.responses import Response
+
+from kvserve.worker.async_engine import AsyncEngine
+from kvserve.worker.body_limit import BodyLimitMiddleware
+from kvserve.worker.config import WorkerConfig
+from kvserve.worker.engine_state import probe_engine
+from kvserve.worker.errors import APIError, install_error_handlers
+from kvserve.worker.events import build_events_router
+from kvserve.worker.json_response import JSONResponse
+from kvserve.worker.metrics import WorkerMetrics
+from kvserve.worker.openai_api import OpenAIEndpoints, build_openai_router
+from kvserve.worker.worker_header import WorkerHeaderMiddleware
+
+
+def build_app(config: WorkerConfig, engine: Any) -> FastAPI:
+    """An app serving ``engine`` (an ``LLMEngine``), which it then owns."""
+    bridge = AsyncEngine(engine, probe_engine)
+    metrics = WorkerMetrics(lambda: bridge.state)
+    worker_id = config.resolved_worker_id
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        bridge.start()
+        try:
+            yield
+        finally:
+            await bridge.shutdown()
+
+    app = FastAPI(title="kvserve worker", lifespan=lifespan, default_response_class=JSONResponse)
+    app.state.engine = bridge
+    install_error_handlers(app)
+    endpoints = OpenAIEndpoints(bridge, metrics, config.api_key)
+    app.include_router(build_openai_router(endpoints))
+    app.include_router(build_events_router(bridge, config.block_size))
+
+    @app.get("/health")
+    async def health() -> Response:
+        if not bridge.is_running():
+            raise APIError(503, "The engine thread is not running.")
+        return JSONResponse(
+            {
+                "status": "ok",
+                "worker_id": worker_id,
+                "role": config.role,
+                "model": endpoints.model_name,
+            }
+        )
+
+    @app.get("/load")
+    async def load() -> Response:
+        return JSONResponse({"worker_id": worker_id, "role": config.role, **bridge.state.load()})
+
+    @app.get("/metrics")
+    async def prometheus_metrics() -> Response:
+        return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.get("/debug/check")
+    async def check_ledger() -> Response:
+        """Runs the block ledger's invariant check between two engine steps."""
+        try:
+            await bridge.call(lambda e: e.kv_cache.check())
+        except AssertionError as exc:
+            raise APIError(500, f"KV cache invariant broken: {exc}", code="ledger_broken") from exc
+        return JSONResponse({"ok": True})
+
+    app.add_middleware(BodyLimitMiddleware, max_body_bytes=config.max_body_bytes)
+    app.add_middleware(WorkerHeaderMiddleware, worker_id=worker_id)
+    return app

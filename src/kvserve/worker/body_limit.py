@@ -1,0 +1,89 @@
+"""Request body size limit, enforced before anything parses the body.
+
+A declared ``Content-Length`` over the limit is refused at once; a chunked body is
+counted as it arrives and refused as soon as it crosses the limit, so a 50 MB upload
+never gets buffered, let alone handed to the JSON parser. The refusal drains what the
+client is still sending (without keeping it) so that the client reads a clean 413
+instead of a connection reset.
+"""
+
+from __future__ import annotations
+
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from kvserve.worker.errors import APIError
+
+# Beyond this many bytes a refused body is not drained: the connection is just closed.
+_MAX_DRAIN_BYTES = 256 * 1024 * 1024
+
+
+class BodyLimitMiddleware:
+    def __init__(self, app: ASGIApp, max_body_bytes: int) -> None:
+        self.app = app
+        self.max_body_bytes = max_body_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = _declared_length(scope)
+        if declared is not None and declared > self.max_body_bytes:
+            await self._refuse(receive, send, already_read=0, declared=declared)
+            return
+        chunks: list[bytes] = []
+        size = 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return
+            body = message.get("body", b"")
+            size += len(body)
+            if size > self.max_body_bytes:
+                await self._refuse(receive, send, already_read=size, declared=declared)
+                return
+            chunks.append(body)
+            if not message.get("more_body", False):
+                break
+        await self.app(scope, _replay(b"".join(chunks), receive), send)
+
+    async def _refuse(
+        self, receive: Receive, send: Send, *, already_read: int, declared: int | None
+    ) -> None:
+        if declared is None or declared <= _MAX_DRAIN_BYTES:
+            await _drain(receive, _MAX_DRAIN_BYTES - already_read)
+        error = APIError(
+            413,
+            f"Request body exceeds the limit of {self.max_body_bytes} bytes.",
+            code="request_too_large",
+        )
+        await error.response()({"type": "http"}, receive, send)
+
+
+def _declared_length(scope: Scope) -> int | None:
+    for name, value in scope["headers"]:
+        if name == b"content-length":
+            try:
+                return int(value)
+            except ValueError:
+                return None
+    return None
+
+
+async def _drain(receive: Receive, budget: int) -> None:
+    while budget > 0:
+        message = await receive()
+        if message["type"] != "http.request" or not message.get("more_body", False):
+            return
+        budget -= len(message.get("body", b""))
+
+
+def _replay(body: bytes, receive: Receive) -> Receive:
+    """A receive that yields the buffered body once, then defers to the server's."""
+    pending: list[Message] = [{"type": "http.request", "body": body, "more_body": False}]
+
+    async def replayed() -> Message:
+        if pending:
+            return pending.pop()
+        return await receive()
+
+    return replayed

@@ -1,0 +1,33 @@
+"""Settings of one worker process, as given on the ``kvserve worker`` command line."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+Role = Literal["mixed", "prefill", "decode"]
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerConfig:
+    model_dir: Path
+    host: str = "127.0.0.1"
+    port: int = 8001
+    role: Role = "mixed"
+    block_size: int = 16
+    num_blocks: int | None = None
+    kv_cache_memory: int | None = None
+    max_num_batched_tokens: int = 512
+    api_key: str | None = None
+    worker_id: str | None = None
+    model_name: str | None = None
+    # Prompts of 100k+ tokens as JSON token ids are under 1 MiB; 8 MiB leaves margin.
+    max_body_bytes: int = 8 * 1024 * 1024
+    # On SIGTERM in-flight requests get this long to finish before they are aborted.
+    shutdown_timeout_s: float = 30.0
+    device: str | None = None
+
+    @property
+    def resolved_worker_id(self) -> str:
+        return self.worker_id or f"{self.host}:{self.port}"

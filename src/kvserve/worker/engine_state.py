@@ -1,0 +1,58 @@
+"""The engine's gauges, read on the engine thread after each iteration.
+
+The HTTP loop must never wait for a running step to learn the load, so the engine
+thread copies these few numbers into an immutable value that ``/load`` and ``/metrics``
+read for free.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True, slots=True)
+class EngineState:
+    running: int = 0
+    waiting: int = 0
+    free_blocks: int = 0
+    cached_blocks: int = 0
+    total_blocks: int = 0
+    prefill_tokens: int = 0
+    prefix_queried_tokens: int = 0
+    prefix_hit_tokens: int = 0
+    preemptions: int = 0
+    events_last_seq: int = 0
+
+    @property
+    def used_blocks(self) -> int:
+        return self.total_blocks - self.free_blocks
+
+    def load(self) -> dict[str, int]:
+        """The ``/load`` body: what a router needs to weigh this worker."""
+        return {
+            "running": self.running,
+            "waiting": self.waiting,
+            "free_blocks": self.free_blocks,
+            "cached_blocks": self.cached_blocks,
+            "total_blocks": self.total_blocks,
+            "prefill_tokens": self.prefill_tokens,
+        }
+
+
+def probe_engine(engine: Any) -> EngineState:
+    """Reads an ``LLMEngine``; call only on the engine's own thread."""
+    load = engine.load()
+    stats = engine.kv_cache.stats
+    return EngineState(
+        running=load["running"],
+        waiting=load["waiting"],
+        free_blocks=load["free_blocks"],
+        cached_blocks=load["cached_blocks"],
+        total_blocks=load["total_blocks"],
+        prefill_tokens=load["prefill_tokens"],
+        prefix_queried_tokens=stats.queried_tokens,
+        prefix_hit_tokens=stats.hit_tokens,
+        preemptions=load.get("preemptions", 0),
+        events_last_seq=engine.events.last_seq,
+    )

@@ -1,0 +1,107 @@
+"""OpenAI-shaped error responses.
+
+Clients (the ``openai`` SDK, the router) parse ``{"error": {message, type, param, code}}``
+and decide on retries from the status code, so every failure the worker reports, from a
+malformed body to an unknown route, goes through the one shape built here. Bad input is
+always a 4xx; a 5xx means a fault in the worker itself.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from http import HTTPStatus
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from kvserve.worker.json_response import JSONResponse
+
+logger = logging.getLogger(__name__)
+
+_ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "not_found_error",
+    413: "invalid_request_error",
+    503: "service_unavailable_error",
+}
+
+
+class APIError(Exception):
+    """An error to report to the client as an OpenAI error body with this status."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        error_type: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        self.error_type = error_type or _ERROR_TYPES.get(status, "server_error")
+
+    def body(self) -> dict[str, Any]:
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.error_type,
+                "param": self.param,
+                "code": self.code,
+            }
+        }
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status)
+
+
+def invalid_request(message: str, param: str | None = None) -> APIError:
+    return APIError(400, message, param=param, code="invalid_value")
+
+
+def validation_error_to_api_error(errors: Sequence[Any]) -> APIError:
+    """Maps pydantic's error list to one 400 naming the first offending parameter.
+
+    OpenAI names the top-level field in ``param``; the full location (list index, union
+    branch) goes into the message so nested mistakes stay findable.
+    """
+    if not errors:
+        return invalid_request("Invalid request body.")
+    first = errors[0]
+    location = [str(part) for part in first.get("loc", ()) if part != "body"]
+    if first.get("type") == "json_invalid":
+        return invalid_request(f"Malformed JSON body: {first.get('msg', '')}")
+    if not location:
+        return invalid_request(f"Invalid request body: {first.get('msg', '')}")
+    path = ".".join(location)
+    return invalid_request(f"{path}: {first.get('msg', 'invalid value')}", param=location[0])
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    """Routes every exception path of the app to the OpenAI error body."""
+
+    @app.exception_handler(APIError)
+    async def _api_error(_: Request, exc: APIError) -> JSONResponse:
+        return exc.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
+        return validation_error_to_api_error(exc.errors()).response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        message = str(exc.detail) if exc.detail else HTTPStatus(exc.status_code).phrase
+        return APIError(exc.status_code, message).response()
+
+    @app.exception_handler(Exception)
+    async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
+        logger.exception("unhandled error in worker", exc_info=exc)
+        return APIError(500, f"Internal error: {type(exc).__name__}").response()

@@ -1,0 +1,67 @@
+"""The worker's KV events over HTTP: a long-polled ordered stream and a snapshot.
+
+A subscriber (the router's ``kv_aware`` policy) keeps the sequence number of the last
+event it applied and asks for what came after it; the request waits until there is
+something or the timeout passes, so following the stream costs one open request, not a
+busy poll. If the subscriber fell behind the bounded history (or the worker restarted),
+the answer is a 410 and it resynchronises from ``/kv/snapshot``. Wire format:
+docs/internals.md, "Worker KV events API".
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import APIRouter, Query
+from starlette.responses import Response
+
+from kvserve.core.kv_events import EventGapError, KVEvent
+from kvserve.worker.async_engine import AsyncEngine
+from kvserve.worker.errors import APIError
+from kvserve.worker.json_response import JSONResponse
+
+_MAX_WAIT_S = 60.0
+
+
+def event_body(event: KVEvent) -> dict[str, Any]:
+    return {
+        "seq": event.seq,
+        "kind": event.kind,
+        "tier": event.tier,
+        "block_hashes": list(event.block_hashes),
+        "parent_hash": event.parent_hash,
+    }
+
+
+def build_events_router(engine: AsyncEngine, block_size: int) -> APIRouter:
+    router = APIRouter(prefix="/kv")
+
+    @router.get("/events")
+    async def kv_events(
+        after: int = Query(0, ge=0, le=2**63 - 1),
+        timeout: float = Query(0.0, ge=0.0, le=_MAX_WAIT_S),
+    ) -> Response:
+        if engine.state.events_last_seq == after:
+            await engine.wait_for_events(after, timeout)
+            if engine.state.events_last_seq == after:
+                return JSONResponse({"last_seq": after, "events": []})
+        try:
+            events = await engine.call(lambda e: e.events.since(after))
+        except EventGapError as exc:
+            raise APIError(410, str(exc), param="after", code="kv_events_gap") from exc
+        last_seq = events[-1].seq if events else after
+        return JSONResponse({"last_seq": last_seq, "events": [event_body(e) for e in events]})
+
+    @router.get("/snapshot")
+    async def kv_snapshot() -> Response:
+        last_seq, blocks = await engine.call(lambda e: e.kv_cache.snapshot())
+        return JSONResponse(
+            {
+                "last_seq": last_seq,
+                "tier": "device",
+                "block_size": block_size,
+                "blocks": [[block_hash, parent] for block_hash, parent in blocks],
+            }
+        )
+
+    return router

@@ -1,0 +1,140 @@
+"""One generation request from submission to the last byte, streamed or not.
+
+Whatever ends the request early (the client hanging up, the handler being cancelled at
+shutdown, an engine fault) aborts it in the engine, so that its blocks are freed at once
+and never wait for a generation nobody will read.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator, Coroutine
+from typing import Any
+
+import orjson
+from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
+from starlette.types import Receive
+
+from kvserve.worker.async_engine import AsyncEngine, RequestAborted, RequestStream
+from kvserve.worker.errors import APIError
+from kvserve.worker.json_response import JSONResponse
+from kvserve.worker.metrics import RequestTimer, WorkerMetrics
+from kvserve.worker.responses import ResponseFormat, usage
+
+_SSE_DONE = b"data: [DONE]\n\n"
+
+
+class Generation:
+    """The per-request context shared by the streamed and the collected paths."""
+
+    def __init__(
+        self, engine: AsyncEngine, metrics: WorkerMetrics, fmt: ResponseFormat, model: str
+    ) -> None:
+        self.engine = engine
+        self.fmt = fmt
+        self.model = model
+        self.request_id = fmt.id_prefix + uuid.uuid4().hex
+        self.created = int(time.time())
+        self.timer: RequestTimer = metrics.start_request()
+
+    async def respond(
+        self, request: Request, prompt: Any, params: Any, *, stream: bool, include_usage: bool
+    ) -> Response:
+        outputs = await self.engine.generate(self.request_id, prompt, params)
+        if stream:
+            return StreamingResponse(
+                self._events(outputs, include_usage), media_type="text/event-stream"
+            )
+        try:
+            return await self._collect(request.receive, outputs)
+        finally:
+            self._abort_unless_finished(outputs)
+
+    def _abort_unless_finished(self, outputs: RequestStream) -> None:
+        if not outputs.finished:
+            self.engine.abort(self.request_id)
+            self.timer.on_abort()
+
+    async def _collect(self, receive: Receive, outputs: RequestStream) -> Response:
+        texts: list[str] = []
+
+        async def consume() -> Any:
+            last = None
+            async for output in outputs:
+                self.timer.on_output(output)
+                texts.append(output.new_text)
+                last = output
+            return last
+
+        try:
+            last = await _unless_disconnected(receive, consume())
+        except RequestAborted as exc:
+            raise APIError(503, f"Request aborted: {exc}") from exc
+        if last is None:
+            return Response(status_code=499)  # the client is gone; nobody reads this
+        body = self.fmt.response(
+            self.request_id,
+            self.model,
+            self.created,
+            "".join(texts),
+            last.finish_reason,
+            usage(last.prompt_tokens, last.completion_tokens, last.num_cached_tokens),
+        )
+        return JSONResponse(body)
+
+    async def _events(self, outputs: RequestStream, include_usage: bool) -> AsyncIterator[bytes]:
+        """Server-sent events; a cancelled iteration (client gone) aborts the request."""
+        try:
+            opening = self.fmt.opening_choice()
+            if opening is not None:
+                yield self._sse([opening], include_usage)
+            last = None
+            async for output in outputs:
+                self.timer.on_output(output)
+                last = output
+                finish = output.finish_reason if output.finished else None
+                if output.new_text or finish is not None:
+                    yield self._sse([self.fmt.delta_choice(output.new_text, finish)], include_usage)
+            if include_usage and last is not None:
+                counts = usage(last.prompt_tokens, last.completion_tokens, last.num_cached_tokens)
+                yield self._sse([], include_usage, counts)
+        except RequestAborted as exc:
+            error = APIError(503, f"Request aborted: {exc}")
+            yield b"data: " + orjson.dumps(error.body()) + b"\n\n"
+        finally:
+            self._abort_unless_finished(outputs)
+        yield _SSE_DONE
+
+    def _sse(
+        self,
+        choices: list[dict[str, Any]],
+        include_usage: bool,
+        usage_body: dict[str, Any] | None = None,
+    ) -> bytes:
+        body = self.fmt.chunk(self.request_id, self.model, self.created, choices)
+        if include_usage:
+            body["usage"] = usage_body
+        return b"data: " + orjson.dumps(body) + b"\n\n"
+
+
+async def _unless_disconnected(receive: Receive, work: Coroutine[Any, Any, Any]) -> Any:
+    """Runs ``work``; returns None (cancelling it) if the client disconnects first."""
+    work_task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_wait_for_disconnect(receive))
+    try:
+        await asyncio.wait({work_task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not work_task.done():
+            work_task.cancel()
+    if work_task.cancelled():
+        return None
+    return work_task.result()
+
+
+async def _wait_for_disconnect(receive: Receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass

@@ -1,0 +1,138 @@
+"""The OpenAI endpoints: ``/v1/completions``, ``/v1/chat/completions``, ``/v1/models``.
+
+Each handler turns a validated body into a prompt and :class:`SamplingParams`, then hands
+both to :class:`Generation`. Everything the client can get wrong is reported here as a
+400 naming the parameter, before the engine thread sees the request.
+"""
+
+from __future__ import annotations
+
+import hmac
+import time
+from typing import Any
+
+import jinja2
+from fastapi import APIRouter, Depends, Request
+from starlette.responses import Response
+
+from kvserve.core.sampling_params import InvalidParameterError, SamplingParams
+from kvserve.engine.chat_template import ChatTemplateError
+from kvserve.worker.async_engine import AsyncEngine
+from kvserve.worker.errors import APIError, invalid_request
+from kvserve.worker.generation import Generation
+from kvserve.worker.json_response import JSONResponse
+from kvserve.worker.metrics import WorkerMetrics
+from kvserve.worker.protocol import ChatCompletionRequest, CompletionRequest, SamplingRequest
+from kvserve.worker.responses import CHAT, COMPLETION, ResponseFormat
+
+
+class OpenAIEndpoints:
+    """Request handling shared by the OpenAI routes of one worker."""
+
+    def __init__(self, engine: AsyncEngine, metrics: WorkerMetrics, api_key: str | None) -> None:
+        self.engine = engine
+        self.metrics = metrics
+        self.api_key = api_key
+        self.model_name: str = engine.engine.model_name
+        self.created = int(time.time())
+
+    def check_api_key(self, request: Request) -> None:
+        if self.api_key is None:
+            return
+        given = request.headers.get("authorization", "")
+        expected = f"Bearer {self.api_key}"
+        if not hmac.compare_digest(given.encode(), expected.encode()):
+            raise APIError(401, "Invalid or missing API key.", code="invalid_api_key")
+
+    def check_model(self, body: SamplingRequest) -> None:
+        if body.model != self.model_name:
+            raise APIError(
+                404,
+                f"The model {body.model!r} does not exist; this worker serves {self.model_name!r}.",
+                param="model",
+                code="model_not_found",
+            )
+
+    def models(self) -> dict[str, Any]:
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": self.model_name,
+                    "object": "model",
+                    "created": self.created,
+                    "owned_by": "kvserve",
+                    "max_model_len": self.engine.engine.max_model_len,
+                }
+            ],
+        }
+
+    def chat_prompt(self, body: ChatCompletionRequest) -> list[int]:
+        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+        try:
+            return self.engine.engine.tokenizer.encode_chat(messages)
+        except (ChatTemplateError, jinja2.TemplateError) as exc:
+            # A template may refuse a conversation (e.g. roles that do not alternate).
+            raise invalid_request(f"messages: {exc}", param="messages") from exc
+
+    async def generate(
+        self,
+        request: Request,
+        body: SamplingRequest,
+        fmt: ResponseFormat,
+        prompt: str | list[int],
+        max_tokens: int | None,
+    ) -> Response:
+        params = _sampling_params(body, max_tokens)
+        generation = Generation(self.engine, self.metrics, fmt, self.model_name)
+        try:
+            return await generation.respond(
+                request,
+                prompt,
+                params,
+                stream=body.stream,
+                include_usage=body.include_usage_in_stream(),
+            )
+        except InvalidParameterError as exc:
+            raise invalid_request(str(exc), param=exc.param) from exc
+
+
+def _sampling_params(body: SamplingRequest, max_tokens: int | None) -> SamplingParams:
+    fields: dict[str, Any] = {
+        "max_tokens": max_tokens,
+        "top_k": body.top_k if body.top_k is not None else 0,
+        "seed": body.seed,
+        "stop": body.stop_strings(),
+        "ignore_eos": body.ignore_eos,
+        "min_tokens": body.min_tokens,
+    }
+    if body.temperature is not None:
+        fields["temperature"] = body.temperature
+    if body.top_p is not None:
+        fields["top_p"] = body.top_p
+    try:
+        return SamplingParams(**fields)
+    except InvalidParameterError as exc:
+        raise invalid_request(str(exc), param=exc.param) from exc
+
+
+def build_openai_router(endpoints: OpenAIEndpoints) -> APIRouter:
+    router = APIRouter(prefix="/v1", dependencies=[Depends(endpoints.check_api_key)])
+
+    @router.get("/models")
+    async def list_models() -> Response:
+        return JSONResponse(endpoints.models())
+
+    @router.post("/completions")
+    async def create_completion(request: Request, body: CompletionRequest) -> Response:
+        endpoints.check_model(body)
+        max_tokens = body.max_tokens if body.max_tokens is not None else 16
+        return await endpoints.generate(request, body, COMPLETION, body.prompt, max_tokens)
+
+    @router.post("/chat/completions")
+    async def create_chat_completion(request: Request, body: ChatCompletionRequest) -> Response:
+        endpoints.check_model(body)
+        prompt = endpoints.chat_prompt(body)
+        return await endpoints.generate(request, body, CHAT, prompt, body.requested_max_tokens())
+
+    return router

@@ -1,0 +1,92 @@
+"""Request bodies of the OpenAI endpoints, validated strictly.
+
+Strict mode means a string is not silently read as a number and ``true`` is not a
+token id: a wrong type is a 400 naming the parameter, as OpenAI does. Bounds are checked
+here, before the request reaches the engine thread, so that no fuzzed value can reach
+torch. Unknown fields are ignored, as the SDKs send extras the worker does not use.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+_MAX_INT32 = 2**31 - 1
+_MAX_STOP_STRINGS = 16
+
+TokenId = Annotated[int, Field(ge=0, le=_MAX_INT32)]
+StopString = Annotated[str, Field(min_length=1, max_length=1024)]
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    include_usage: bool = False
+
+
+class SamplingRequest(BaseModel):
+    """Fields shared by completions and chat completions."""
+
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    model: str
+    max_tokens: int | None = Field(default=None, ge=1, le=_MAX_INT32)
+    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    top_k: int | None = Field(default=None, ge=-1, le=_MAX_INT32)
+    min_tokens: int = Field(default=0, ge=0, le=_MAX_INT32)
+    stop: StopString | list[StopString] | None = Field(default=None)
+    seed: int | None = Field(default=None, ge=-(2**63), le=2**64 - 1)
+    n: Literal[1] = 1
+    ignore_eos: bool = False
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+
+    def stop_strings(self) -> list[str]:
+        if self.stop is None:
+            return []
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+    def include_usage_in_stream(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+
+class CompletionRequest(SamplingRequest):
+    prompt: Annotated[str, Field(min_length=1)] | Annotated[list[TokenId], Field(min_length=1)]
+    echo: Literal[False] = False
+    logprobs: None = None
+    suffix: None = None
+
+
+class TextContentPart(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextContentPart]
+    name: str | None = None
+
+    def text(self) -> str:
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text for part in self.content)
+
+
+class ChatCompletionRequest(SamplingRequest):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1, le=_MAX_INT32)
+    logprobs: Literal[False] | None = None
+
+    def requested_max_tokens(self) -> int | None:
+        """``max_completion_tokens`` is the current name; ``max_tokens`` the legacy one."""
+        if self.max_completion_tokens is not None:
+            return self.max_completion_tokens
+        return self.max_tokens

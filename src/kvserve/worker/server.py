@@ -1,0 +1,75 @@
+"""Runs one worker process: build the engine, serve the app, stop cleanly on SIGTERM.
+
+uvicorn's own signal handling re-raises the signal after its graceful shutdown, which
+makes the process die by SIGTERM (exit 143). A worker asked to stop that finished its
+work should exit 0, so the signal handlers here only request the graceful shutdown:
+stop accepting, let in-flight requests finish for ``shutdown_timeout_s``, cancel the
+rest (which aborts them in the engine), stop the engine thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+from collections.abc import Iterator
+
+import uvicorn
+
+from kvserve.worker.app import build_app
+from kvserve.worker.config import WorkerConfig
+
+logger = logging.getLogger(__name__)
+
+
+class _GracefulServer(uvicorn.Server):
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        loop = asyncio.get_running_loop()
+        signals = (signal.SIGINT, signal.SIGTERM)
+        for sig in signals:
+            loop.add_signal_handler(sig, self.handle_exit, sig, None)
+        try:
+            yield
+        finally:
+            for sig in signals:
+                loop.remove_signal_handler(sig)
+
+
+def serve(config: WorkerConfig) -> None:
+    """Blocks until the worker is told to stop."""
+    from kvserve.engine.llm_engine import LLMEngine  # torch: import only when serving
+
+    engine = LLMEngine(
+        config.model_dir,
+        block_size=config.block_size,
+        num_blocks=config.num_blocks,
+        kv_cache_memory=config.kv_cache_memory,
+        max_num_batched_tokens=config.max_num_batched_tokens,
+        device=config.device,
+        model_name=config.model_name,
+    )
+    app = build_app(config, engine)
+    server = _GracefulServer(
+        uvicorn.Config(
+            app,
+            host=config.host,
+            port=config.port,
+            loop="uvloop",
+            http="httptools",
+            lifespan="on",
+            access_log=False,
+            log_level="warning",
+            timeout_graceful_shutdown=config.shutdown_timeout_s,
+        )
+    )
+    logger.warning(
+        "kvserve worker %s serving %s on http://%s:%d (role %s)",
+        config.resolved_worker_id,
+        engine.model_name,
+        config.host,
+        config.port,
+        config.role,
+    )
+    asyncio.run(server.serve())

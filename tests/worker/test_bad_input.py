@@ -1,0 +1,147 @@
+"""Bad input is a 4xx with OpenAI's error body naming the parameter: never a 5xx or a hang."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import httpx
+import pytest
+from tests.support.processes import ServerProcess
+from tests.worker.worker_process import API_KEY, api, served_model
+
+
+def valid(worker: ServerProcess, **changes: Any) -> dict[str, Any]:
+    """A valid completion body with ``changes``; a change to ``...`` drops the field."""
+    body: dict[str, Any] = {"model": served_model(worker), "prompt": "hello", "max_tokens": 2}
+    body.update(changes)
+    return {k: v for k, v in body.items() if v is not ...}
+
+
+def assert_error(response: httpx.Response, status: int, param: str | None) -> dict[str, Any]:
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["param"] == param
+    assert error["message"]
+    return error
+
+
+@pytest.mark.parametrize(
+    ("changes", "param"),
+    [
+        ({"temperature": "hot"}, "temperature"),
+        ({"temperature": 1e9}, "temperature"),
+        ({"temperature": -0.5}, "temperature"),
+        ({"max_tokens": -3}, "max_tokens"),
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"max_tokens": "5"}, "max_tokens"),
+        ({"top_p": 0}, "top_p"),
+        ({"top_k": -2}, "top_k"),
+        ({"n": 2}, "n"),
+        ({"seed": 2**70}, "seed"),
+        ({"stream": "yes"}, "stream"),
+        ({"stop": ""}, "stop"),
+        ({"stop": [1, 2]}, "stop"),
+        ({"min_tokens": 5, "max_tokens": 2}, "min_tokens"),
+        ({"prompt": ""}, "prompt"),
+        ({"prompt": []}, "prompt"),
+        ({"prompt": 5}, "prompt"),
+        ({"prompt": [1, -1]}, "prompt"),
+        ({"prompt": [1, 2**40]}, "prompt"),
+        ({"prompt": [1, True]}, "prompt"),
+        ({"prompt": [10**6]}, "prompt"),
+        ({"model": ...}, "model"),
+        ({"model": 7}, "model"),
+    ],
+)
+def test_invalid_completion_parameter_is_named(
+    worker: ServerProcess, changes: dict[str, Any], param: str
+) -> None:
+    with api(worker) as client:
+        response = client.post("/v1/completions", json=valid(worker, **changes))
+    error = assert_error(response, 400, param)
+    assert error["type"] == "invalid_request_error"
+
+
+def test_prompt_beyond_the_context_is_refused(worker: ServerProcess) -> None:
+    with api(worker) as client:
+        max_model_len = client.get("/v1/models").json()["data"][0]["max_model_len"]
+        body = valid(worker, prompt=[3] * (max_model_len + 10))
+        response = client.post("/v1/completions", json=body)
+    assert_error(response, 400, "prompt")
+
+
+@pytest.mark.parametrize(
+    ("messages", "param"),
+    [
+        ([], "messages"),
+        ("hi", "messages"),
+        ([{"role": "wizard", "content": "hi"}], "messages"),
+        ([{"role": "user"}], "messages"),
+        ([{"role": "user", "content": [{"type": "image_url", "url": "x"}]}], "messages"),
+    ],
+)
+def test_invalid_chat_messages_are_named(worker: ServerProcess, messages: Any, param: str) -> None:
+    body = valid(worker, messages=messages, prompt=...)
+    with api(worker) as client:
+        response = client.post("/v1/chat/completions", json=body)
+    assert_error(response, 400, param)
+
+
+def test_unknown_model_is_404_model_not_found(worker: ServerProcess) -> None:
+    with api(worker) as client:
+        response = client.post("/v1/completions", json=valid(worker, model="gpt-17"))
+    assert assert_error(response, 404, "model")["code"] == "model_not_found"
+
+
+@pytest.mark.parametrize(
+    "raw", [b'{"model": ', b"not json", b"[1, 2]", b"", b'{"model": "x", "prompt": "\xff"}']
+)
+def test_malformed_body_is_400(worker: ServerProcess, raw: bytes) -> None:
+    with api(worker) as client:
+        response = client.post(
+            "/v1/completions", content=raw, headers={"content-type": "application/json"}
+        )
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["type"] == "invalid_request_error"
+
+
+def test_fifty_megabyte_body_is_413(worker: ServerProcess) -> None:
+    huge = b'{"prompt": "' + b"a" * (50 * 1024 * 1024) + b'"}'
+    with api(worker) as client:
+        response = client.post(
+            "/v1/completions", content=huge, headers={"content-type": "application/json"}
+        )
+    assert_error(response, 413, None)
+
+
+def test_chunked_body_over_the_limit_is_413(worker: ServerProcess) -> None:
+    def chunks():  # no Content-Length: the limit is enforced while reading
+        yield b'{"prompt": "'
+        for _ in range(20):
+            yield b"a" * (1024 * 1024)
+        yield b'"}'
+
+    with api(worker) as client:
+        response = client.post(
+            "/v1/completions", content=chunks(), headers={"content-type": "application/json"}
+        )
+    assert_error(response, 413, None)
+
+
+def test_missing_or_wrong_api_key_is_401(worker: ServerProcess) -> None:
+    for headers in ({}, {"authorization": "Bearer nope"}, {"authorization": API_KEY}):
+        response = httpx.post(f"{worker.url}/v1/completions", json=valid(worker), headers=headers)
+        assert assert_error(response, 401, None)["code"] == "invalid_api_key"
+
+
+def test_unknown_route_and_method(worker: ServerProcess) -> None:
+    with api(worker) as client:
+        assert_error(client.get("/v1/nothing"), 404, None)
+        assert_error(client.get("/v1/completions"), 405, None)
+
+
+def test_worker_still_serves_after_bad_input(worker: ServerProcess) -> None:
+    with api(worker) as client:
+        assert client.post("/v1/completions", json=valid(worker)).status_code == 200
+        assert client.get("/debug/check").json() == {"ok": True}
