@@ -4,8 +4,8 @@ foreign backend and benchmarking it over a fast upstream.
 Run: ``python tests/support/foreign_openai_server.py --port P [--name N] [--ttft S]``.
 
 It "generates" ``x`` tokens and reports ``usage.prompt_tokens_details.cached_tokens`` from
-its own prefix memory: the longest common prefix with any earlier prompt, in characters
-divided by 4. A request can steer it with a body field the router passes through::
+its own prefix memory: the 64-character blocks of the prompt's longest prefix seen before,
+at 4 characters per token. A request can steer it with a body field the router passes through::
 
     "x_test": {"status": 503, "delay": 1.5, "tokens": 40, "token_delay": 0.05}
 
@@ -24,16 +24,8 @@ import orjson
 from aiohttp import web
 
 CHARS_PER_TOKEN = 4
-PROMPT_MEMORY = 256
-
-
-def _common_prefix_length(a: str, b: str) -> int:
-    length = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        length += 1
-    return length
+BLOCK_CHARS = 64  # prefix memory granularity: 16 "tokens", like a KV block
+MEMORY_BLOCKS = 100_000
 
 
 def _prompt_text(body: dict[str, Any]) -> str:
@@ -48,14 +40,20 @@ class ForeignServer:
         self.ttft_s = ttft_s
         self.token_delay_s = token_delay_s
         self.forced_status = 0
-        self.prompts: list[str] = []
+        self.known_prefixes: set[str] = set()
         self.served = 0
         self.in_flight = 0
 
     def cached_tokens(self, prompt: str) -> int:
-        longest = max((_common_prefix_length(prompt, p) for p in self.prompts), default=0)
-        self.prompts = [*self.prompts[-(PROMPT_MEMORY - 1) :], prompt]
-        return longest // CHARS_PER_TOKEN
+        """Whole blocks of ``prompt`` seen before as a prefix; then remember this prompt's."""
+        blocks = [prompt[:end] for end in range(BLOCK_CHARS, len(prompt) + 1, BLOCK_CHARS)]
+        hits = 0
+        while hits < len(blocks) and blocks[hits] in self.known_prefixes:
+            hits += 1
+        if len(self.known_prefixes) > MEMORY_BLOCKS:
+            self.known_prefixes.clear()
+        self.known_prefixes.update(blocks)
+        return hits * BLOCK_CHARS // CHARS_PER_TOKEN
 
     async def generate(self, request: web.Request) -> web.StreamResponse:
         body = orjson.loads(await request.read())

@@ -21,7 +21,7 @@ def register(app: typer.Typer) -> None:
             ),
         ],
         more_worker_urls: Annotated[
-            list[str] | None, typer.Argument(hidden=True, metavar="")
+            list[str] | None, typer.Argument(hidden=True, metavar="[URL]...")
         ] = None,
         policy: Annotated[
             str,
@@ -56,13 +56,13 @@ def register(app: typer.Typer) -> None:
                 help="cache_aware: and max > this x min means imbalance.", rich_help_panel=_TUNING
             ),
         ] = 1.5,
-        eviction_interval: Annotated[
+        eviction_interval_secs: Annotated[
             float,
             typer.Option(
                 help="cache_aware: seconds between trims of the prefix tree.",
                 rich_help_panel=_TUNING,
             ),
-        ] = 120.0,
+        ] = 60.0,
         max_tree_size: Annotated[
             int,
             typer.Option(
@@ -120,7 +120,7 @@ def register(app: typer.Typer) -> None:
                     cache_threshold=cache_threshold,
                     balance_abs_threshold=balance_abs_threshold,
                     balance_rel_threshold=balance_rel_threshold,
-                    eviction_interval_s=eviction_interval,
+                    eviction_interval_s=eviction_interval_secs,
                     max_tree_size=max_tree_size,
                 ),
                 session_header=session_header,

@@ -176,12 +176,23 @@ class Router:
         return _json(worker.describe())
 
 
+def _fast_event_loop() -> asyncio.AbstractEventLoop | None:
+    """uvloop where installed (it comes with ``uvicorn[standard]`` on Linux and macOS): it
+    roughly halves the router's per-request overhead. Otherwise asyncio's default."""
+    try:
+        import uvloop
+    except ImportError:
+        return None
+    return uvloop.new_event_loop()
+
+
 def run_router(config: RouterConfig) -> None:
     """Serve until interrupted. A client disconnect cancels its handler, which releases
     everything the request holds (see :mod:`kvserve.router.proxy`)."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     web.run_app(
         Router(config).build_app(),
+        loop=_fast_event_loop(),
         host=config.host,
         port=config.port,
         handler_cancellation=True,

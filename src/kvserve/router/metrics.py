@@ -2,100 +2,107 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from kvserve.core.routing.types import WorkerLoad
 
-_LATENCY_BUCKETS = (
-    0.005,
-    0.01,
-    0.025,
-    0.05,
-    0.1,
-    0.25,
-    0.5,
-    1.0,
-    2.5,
-    5.0,
-    10.0,
-    30.0,
-    60.0,
-    120.0,
-    300.0,
-)
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+
+
+class _CachedLabels:
+    """A labelled metric whose children are looked up once: ``labels()`` costs microseconds
+    and the proxy calls it a dozen times per request."""
+
+    def __init__(self, metric: Any) -> None:
+        self._metric = metric
+        self._children: dict[tuple[str, ...], Any] = {}
+
+    def labels(self, *values: str) -> Any:
+        child = self._children.get(values)
+        if child is None:
+            child = self._children[values] = self._metric.labels(*values)
+        return child
 
 
 class RouterMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
-        r = self.registry
-        self.requests = Counter(
+
+        def per(kind: type, name: str, doc: str, *labels: str, **extra: Any) -> _CachedLabels:
+            return _CachedLabels(kind(name, doc, labels, registry=self.registry, **extra))
+
+        self.requests = per(
+            Counter,
             "kvserve_router_requests",
             "Requests answered, by worker and status.",
-            ["worker", "status"],
-            registry=r,
+            "worker",
+            "status",
         )
-        self.errors = Counter(
+        self.errors = per(
+            Counter,
             "kvserve_router_errors",
             "Failed attempts and rejections, by worker and kind.",
-            ["worker", "kind"],
-            registry=r,
+            "worker",
+            "kind",
         )
-        self.retries = Counter(
+        self.retries = per(
+            Counter,
             "kvserve_router_retries",
             "Attempts retried, by the worker that failed.",
-            ["worker"],
-            registry=r,
+            "worker",
         )
-        self.ttft = Histogram(
+        self.ttft = per(
+            Histogram,
             "kvserve_router_ttft_seconds",
             "Time to the first response byte, per worker.",
-            ["worker"],
+            "worker",
             buckets=_LATENCY_BUCKETS,
-            registry=r,
         )
-        self.e2e = Histogram(
+        self.e2e = per(
+            Histogram,
             "kvserve_router_e2e_seconds",
             "Time to the last response byte, per worker.",
-            ["worker"],
+            "worker",
             buckets=_LATENCY_BUCKETS,
-            registry=r,
         )
-        self.decisions = Counter(
+        self.decisions = per(
+            Counter,
             "kvserve_router_decisions",
             "Routing decisions, by policy and reason.",
-            ["policy", "reason"],
-            registry=r,
+            "policy",
+            "reason",
         )
-        self.predicted_cached_tokens = Counter(
+        self.predicted_cached_tokens = per(
+            Counter,
             "kvserve_router_predicted_cached_tokens",
             "Prompt tokens the policy expected the worker to hold (matched fraction x prompt).",
-            ["worker"],
-            registry=r,
+            "worker",
         )
-        self.reported_cached_tokens = Counter(
+        self.reported_cached_tokens = per(
+            Counter,
             "kvserve_router_reported_cached_tokens",
             "Prompt tokens the worker reported as cached (usage.prompt_tokens_details).",
-            ["worker"],
-            registry=r,
+            "worker",
         )
-        self.in_flight_requests = Gauge(
+        self.in_flight_requests = per(
+            Gauge,
             "kvserve_router_in_flight_requests",
             "Requests held by load guards, per worker.",
-            ["worker"],
-            registry=r,
+            "worker",
         )
-        self.in_flight_prefill_tokens = Gauge(
+        self.in_flight_prefill_tokens = per(
+            Gauge,
             "kvserve_router_in_flight_prefill_tokens",
             "Estimated prefill tokens held by load guards (until the first token), per worker.",
-            ["worker"],
-            registry=r,
+            "worker",
         )
         self.worker_healthy = Gauge(
             "kvserve_router_worker_healthy",
             "1 if the worker passes health checks.",
             ["worker"],
-            registry=r,
+            registry=self.registry,
         )
 
     def show_load(self, load: WorkerLoad) -> None:

@@ -32,7 +32,7 @@ class CacheAwareConfig:
     cache_threshold: float = 0.3
     balance_abs_threshold: int = 64
     balance_rel_threshold: float = 1.5
-    eviction_interval_s: float = 120.0
+    eviction_interval_s: float = 60.0
     max_tree_size: int = 2**26  # characters, for the whole index
 
     def __post_init__(self) -> None:
