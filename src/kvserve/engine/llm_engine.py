@@ -1,0 +1,235 @@
+"""The engine loop: scheduler + KV cache + model runner + sampler, one step at a time.
+
+Each :meth:`LLMEngine.step` asks the scheduler what to compute, runs it in one forward,
+samples a token for every sequence whose pending tokens are all computed, applies the
+stop rules, and returns per-request deltas. Callers (the worker's engine thread, the
+offline :class:`~kvserve.engine.llm.LLM`) drive it; it starts no thread of its own.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kvserve.core.hashing import make_namespace
+from kvserve.core.kv_cache_manager import KVCacheManager
+from kvserve.core.kv_events import EventLog
+from kvserve.core.request import Request
+from kvserve.core.sampling_params import InvalidParameterError, SamplingParams
+from kvserve.core.scheduler import ScheduledChunk, Scheduler, SchedulerConfig
+from kvserve.core.stop_checker import find_stop_string, stop_holdback, token_finish_reason
+from kvserve.engine.device import pick_device, pick_dtype
+from kvserve.engine.errors import InvalidRequestError
+from kvserve.engine.model_config import ModelConfig
+from kvserve.engine.model_runner import ModelRunner, SequenceBatchItem
+from kvserve.engine.outputs import RequestOutput
+from kvserve.engine.sampler import Sampler, SamplingRow, seeded_generator
+from kvserve.engine.tokenizer import IncrementalDetokenizer, Tokenizer
+
+DEFAULT_KV_CACHE_MEMORY = 1 << 30
+
+
+@dataclass(slots=True)
+class _Generation:
+    """Engine-side state of one request: what the pure scheduler must not hold."""
+
+    request: Request
+    detokenizer: IncrementalDetokenizer
+    generator: torch.Generator | None
+    text: str = ""  # output text so far, stop string cut
+    num_sent_chars: int = 0  # of ``text``; the rest may still become a stop string
+
+    def stream_cut(self, finished: bool) -> str:
+        """The text not sent yet that can be sent now."""
+        stops = self.request.params.stop
+        end = len(self.text) if finished else len(self.text) - stop_holdback(stops)
+        if end <= self.num_sent_chars:
+            return ""
+        delta = self.text[self.num_sent_chars : end]
+        self.num_sent_chars = end
+        return delta
+
+
+class LLMEngine:
+    def __init__(
+        self,
+        model_dir: str | Path,
+        *,
+        block_size: int = 16,
+        num_blocks: int | None = None,
+        kv_cache_memory: int | None = None,
+        max_num_batched_tokens: int = 512,
+        max_num_seqs: int = 256,
+        device: str | None = None,
+        model_name: str | None = None,
+        seed: int | None = None,
+    ) -> None:
+        config = ModelConfig.from_dir(model_dir)
+        if num_blocks is None:
+            dtype = pick_dtype(config, pick_device(device), None)
+            memory = DEFAULT_KV_CACHE_MEMORY if kv_cache_memory is None else kv_cache_memory
+            num_blocks = ModelRunner.blocks_for_memory(config, block_size, memory, dtype)
+        if num_blocks < 1:
+            raise ValueError(f"the KV cache needs at least one block, got {num_blocks}")
+        self.runner = ModelRunner(
+            model_dir, num_blocks=num_blocks, block_size=block_size, device=device
+        )
+        self.tokenizer = Tokenizer(model_dir)
+        self.model_name = model_name or Path(model_dir).name
+        self.namespace = make_namespace(self.model_name)
+        # A sequence longer than the pool could never run, even alone.
+        self.max_model_len = min(config.max_position_embeddings, num_blocks * block_size)
+        self.eos_token_ids = self.tokenizer.eos_token_ids | set(config.eos_token_ids)
+        self.events = EventLog()
+        self.kv_cache = KVCacheManager(num_blocks, block_size, events=self.events)
+        self.scheduler = Scheduler(
+            self.kv_cache, SchedulerConfig(max_num_batched_tokens, max_num_seqs)
+        )
+        self.sampler = Sampler(self.runner.device, seed)
+        self._generations: dict[str, _Generation] = {}
+
+    # -- requests ------------------------------------------------------------------
+
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> None:
+        """Queue a request, or raise :class:`InvalidRequestError` and change nothing."""
+        try:
+            params.validate()
+        except InvalidParameterError as err:
+            raise InvalidRequestError(err.param, str(err)) from None
+        if request_id in self._generations:
+            raise InvalidRequestError("request_id", f"request id {request_id!r} is in use")
+        token_ids = self._prompt_token_ids(prompt)
+        room = self.max_model_len - len(token_ids)
+        if room < 1:
+            raise InvalidRequestError(
+                "prompt",
+                f"the prompt has {len(token_ids)} tokens, but the context holds "
+                f"{self.max_model_len} and at least one must be generated",
+            )
+        max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
+        request = Request(
+            request_id,
+            token_ids,
+            params,
+            max_tokens=max_tokens,
+            namespace=self.namespace,
+            block_size=self.kv_cache.block_size,
+        )
+        generator = (
+            None if params.seed is None else seeded_generator(params.seed, self.runner.device)
+        )
+        self.scheduler.add(request)
+        self._generations[request_id] = _Generation(
+            request, self.tokenizer.detokenizer(token_ids), generator
+        )
+
+    def _prompt_token_ids(self, prompt: str | list[int]) -> list[int]:
+        token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        if not token_ids:
+            raise InvalidRequestError("prompt", "the prompt is empty")
+        vocab_size = self.runner.config.vocab_size
+        bad = next((t for t in token_ids if not (isinstance(t, int) and 0 <= t < vocab_size)), None)
+        if bad is not None:
+            raise InvalidRequestError(
+                "prompt", f"token id {bad!r} is outside the vocabulary [0, {vocab_size})"
+            )
+        return token_ids
+
+    def abort_request(self, request_id: str) -> None:
+        """Drop the request and free its blocks now; unknown or finished ids are ignored."""
+        self.scheduler.abort(request_id)
+        self._generations.pop(request_id, None)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    def load(self) -> dict[str, Any]:
+        kv = self.kv_cache
+        return {
+            "running": len(self.scheduler.running),
+            "waiting": len(self.scheduler.waiting),
+            "free_blocks": kv.num_free_blocks,
+            "cached_blocks": kv.num_cached_blocks,
+            "total_blocks": kv.num_blocks,
+            "prefill_tokens": self.scheduler.num_prefill_tokens,
+            "preemptions": self.scheduler.stats.preemptions,
+        }
+
+    # -- one step ------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        plan = self.scheduler.schedule()
+        outputs = [self._finish(r, r.finish_reason or "length") for r in plan.finished_before_run]
+        if not plan.chunks:
+            return outputs
+        logits = self.runner.forward([self._batch_item(chunk) for chunk in plan.chunks])
+        self.scheduler.advance(plan)
+        rows = [i for i, chunk in enumerate(plan.chunks) if chunk.completes_sequence]
+        if not rows:
+            return outputs
+        generations = [self._generations[plan.chunks[i].request.request_id] for i in rows]
+        tokens = self.sampler.sample(
+            logits[rows], [self._sampling_row(g.request, g.generator) for g in generations]
+        )
+        for generation, token in zip(generations, tokens, strict=True):
+            outputs.append(self._append_token(generation, token))
+        return outputs
+
+    def _batch_item(self, chunk: ScheduledChunk) -> SequenceBatchItem:
+        request = chunk.request
+        return SequenceBatchItem(
+            token_ids=request.token_ids[chunk.start : chunk.start + chunk.num_tokens],
+            start_pos=chunk.start,
+            block_table=self.kv_cache.block_table(request.request_id),
+        )
+
+    def _sampling_row(self, request: Request, generator: torch.Generator | None) -> SamplingRow:
+        params = request.params
+        suppressed: tuple[int, ...] = ()
+        if request.num_output_tokens < params.min_tokens:
+            eos = () if params.ignore_eos else tuple(self.eos_token_ids)
+            suppressed = (*params.stop_token_ids, *eos)
+        return SamplingRow(params, generator, suppressed)
+
+    def _append_token(self, generation: _Generation, token: int) -> RequestOutput:
+        request = generation.request
+        request.token_ids.append(token)
+        reason = token_finish_reason(request, self.eos_token_ids)
+        new_text = generation.detokenizer.push([token])
+        if reason is not None:
+            new_text += generation.detokenizer.finish()
+        generation.text += new_text
+        stops = request.params.stop
+        if stops and request.num_output_tokens >= request.params.min_tokens:
+            cut = find_stop_string(generation.text, stops, len(new_text))
+            if cut is not None:
+                generation.text = generation.text[:cut]
+                reason = "stop"
+        if reason is None:
+            return self._output(generation, [token], finished=False)
+        return self._finish(request, reason, [token])
+
+    def _finish(
+        self, request: Request, reason: str, new_token_ids: list[int] | None = None
+    ) -> RequestOutput:
+        self.scheduler.finish(request, reason)
+        generation = self._generations.pop(request.request_id)
+        return self._output(generation, new_token_ids or [], finished=True)
+
+    def _output(
+        self, generation: _Generation, new_token_ids: list[int], *, finished: bool
+    ) -> RequestOutput:
+        request = generation.request
+        return RequestOutput(
+            request_id=request.request_id,
+            new_token_ids=new_token_ids,
+            new_text=generation.stream_cut(finished),
+            finished=finished,
+            finish_reason=request.finish_reason if finished else None,
+            prompt_tokens=request.num_prompt_tokens,
+            num_cached_tokens=request.num_cached_tokens or 0,
+            completion_tokens=request.num_output_tokens,
+        )
