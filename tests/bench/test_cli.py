@@ -52,7 +52,7 @@ async def test_a_run_writes_results_report_and_plots_and_compare_overlays_runs(t
     assert results["config"]["model"] == "foreign"  # asked /v1/models
     assert len(results["requests"]) == 6 and results["requests"][0]["ttft_s"] > 0
     second = json.loads((tmp_path / "b/results.json").read_text())
-    assert second["summary"]["prefix_hit_rate"] > 0.9  # the server saw every prompt before
+    assert second["summary"]["prefix_hit_rate"] > 0.8  # it saw all but the refused prompt
     assert "s3" not in second["config"]["command"]
     report = (tmp_path / "a/report.md").read_text()
     assert "| prefix hit rate |" in report and "errors `HTTP 400`: 1" in report

@@ -34,40 +34,20 @@ class BenchUsageError(ValueError):
 
 @dataclass(frozen=True)
 class BenchOptions:
-    endpoint: str
+    load: LoadConfig  # an empty model means: ask the endpoint
     workload: str  # SPEC
     out: Path
-    model: str | None = None
     label: str | None = None
-    time_scale: float = 1.0
     max_requests: int | None = None
-    duration_s: float | None = None
-    concurrency: int | None = None
-    rate: float | None = None
-    request_timeout_s: float = 300.0
-    seed: int = 0
-    api_key: str | None = None
-    ignore_eos: bool = False
     command: str = ""  # the command line, recorded in the report
 
 
 def run_bench(options: BenchOptions, console: Console) -> tuple[RunReport, RunOutcome]:
     try:
         workload = build_workload(options.workload, limit=options.max_requests)
-        config = LoadConfig(
-            endpoint=options.endpoint,
-            model=options.model or "",
-            concurrency=options.concurrency,
-            rate=options.rate,
-            time_scale=options.time_scale,
-            duration_s=options.duration_s,
-            request_timeout_s=options.request_timeout_s,
-            seed=options.seed,
-            api_key=options.api_key,
-            ignore_eos=options.ignore_eos,
-        )
-    except (WorkloadSpecError, ValueError) as exc:
+    except WorkloadSpecError as exc:
         raise BenchUsageError(str(exc)) from exc
+    config = options.load
     if not workload.timed and config.concurrency is None and config.rate is None:
         raise BenchUsageError(f"{workload.name} has no timestamps: give --rate or --concurrency")
     config, outcome = asyncio.run(_replay(config, workload, console))

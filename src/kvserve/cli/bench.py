@@ -87,23 +87,30 @@ def register(app: typer.Typer) -> None:
             raise typer.BadParameter("--endpoint and --workload are required")
         from rich.console import Console
 
+        from kvserve.bench.loadgen import LoadConfig
         from kvserve.bench.run import BenchOptions, BenchUsageError, run_bench
 
+        try:
+            load = LoadConfig(
+                endpoint=endpoint,
+                model=model or "",
+                concurrency=concurrency,
+                rate=rate,
+                time_scale=time_scale,
+                duration_s=duration,
+                request_timeout_s=request_timeout,
+                seed=seed,
+                api_key=api_key,
+                ignore_eos=ignore_eos,
+            )
+        except ValueError as exc:
+            raise typer.BadParameter(str(exc)) from exc
         options = BenchOptions(
-            endpoint=endpoint,
+            load=load,
             workload=workload,
             out=out or _default_dir("bench"),
-            model=model,
             label=label,
-            time_scale=time_scale,
             max_requests=max_requests,
-            duration_s=duration,
-            concurrency=concurrency,
-            rate=rate,
-            request_timeout_s=request_timeout,
-            seed=seed,
-            api_key=api_key,
-            ignore_eos=ignore_eos,
             command=shlex.join(["kvserve", *_redact_api_key(sys.argv[1:])]),
         )
         try:

@@ -54,3 +54,14 @@ class Workload:
     timed: bool
     size: int
     requests: Iterable[RequestSpec]
+
+
+def capped(count: int, limit: int | None) -> int:
+    """How many items a generator makes when the run asks for at most ``limit``."""
+    return count if limit is None else min(count, limit)
+
+
+def untimed_prompts(name: str, prompts: list[Prompt], max_tokens: int) -> Workload:
+    """A generator's completion prompts as a workload with no timestamps."""
+    specs = [RequestSpec(arrival_s=0.0, max_tokens=max_tokens, prompt=p) for p in prompts]
+    return Workload(name, timed=False, size=len(specs), requests=specs)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import random
 
-from kvserve.bench.workloads.base import RequestSpec, Workload
+from kvserve.bench.workloads.base import Workload, capped, untimed_prompts
 from kvserve.bench.workloads.content import ContentMaker
 
 
@@ -29,13 +29,12 @@ def generate(
 ) -> Workload:
     if not 1 <= shots <= pool:
         raise ValueError(f"need 1 <= shots <= pool, got shots={shots}, pool={pool}")
-    count = requests if limit is None else min(requests, limit)
     maker = ContentMaker(mode, vocab)
     rng = random.Random(seed)
-    specs = []
-    for index in range(count):
+    prompts = []
+    for index in range(capped(requests, limit)):
         chosen = sorted(rng.sample(range(pool), shots))
         pieces = [maker.block(f"few-shot:{seed}:example:{i}", shot_len) for i in chosen]
         pieces.append(maker.block(f"few-shot:{seed}:question:{index}", question_len))
-        specs.append(RequestSpec(arrival_s=0.0, max_tokens=max_tokens, prompt=maker.join(pieces)))
-    return Workload("few-shot", timed=False, size=count, requests=specs)
+        prompts.append(maker.join(pieces))
+    return untimed_prompts("few-shot", prompts, max_tokens)

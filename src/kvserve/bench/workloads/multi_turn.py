@@ -4,7 +4,7 @@ one of ``systems`` system prompts."""
 
 from __future__ import annotations
 
-from kvserve.bench.workloads.base import RequestSpec, Workload
+from kvserve.bench.workloads.base import RequestSpec, Workload, capped
 from kvserve.bench.workloads.content import text_block
 
 
@@ -21,7 +21,7 @@ def generate(
 ) -> Workload:
     if turns < 1 or systems < 1:
         raise ValueError(f"need turns >= 1 and systems >= 1, got {turns}, {systems}")
-    count = conversations if limit is None else min(conversations, limit)
+    count = capped(conversations, limit)
     specs = [
         RequestSpec(
             arrival_s=0.0,

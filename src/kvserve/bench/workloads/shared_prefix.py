@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import random
 
-from kvserve.bench.workloads.base import RequestSpec, Workload
+from kvserve.bench.workloads.base import Workload, capped, untimed_prompts
 from kvserve.bench.workloads.content import ContentMaker
 
 
@@ -23,14 +23,11 @@ def generate(
 ) -> Workload:
     if n_prefixes < 1:
         raise ValueError(f"n_prefixes must be >= 1, got {n_prefixes}")
-    count = requests if limit is None else min(requests, limit)
     maker = ContentMaker(mode, vocab)
     rng = random.Random(seed)
-    specs = []
-    for index in range(count):
+    prompts = []
+    for index in range(capped(requests, limit)):
         prefix = maker.block(f"shared-prefix:{seed}:prefix:{rng.randrange(n_prefixes)}", prefix_len)
         suffix = maker.block(f"shared-prefix:{seed}:suffix:{index}", suffix_len)
-        specs.append(
-            RequestSpec(arrival_s=0.0, max_tokens=max_tokens, prompt=maker.join([prefix, suffix]))
-        )
-    return Workload("shared-prefix", timed=False, size=count, requests=specs)
+        prompts.append(maker.join([prefix, suffix]))
+    return untimed_prompts("shared-prefix", prompts, max_tokens)
