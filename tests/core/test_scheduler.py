@@ -55,8 +55,11 @@ class Driver:
         return request
 
     def step(self) -> SchedulerOutput:
+        decoding = {r.request_id for r in self.scheduler.running if r.is_decoding}
         output = self.scheduler.schedule()
         assert output.num_scheduled_tokens <= self.config.max_num_batched_tokens
+        order = [c.request.request_id in decoding for c in output.chunks]
+        assert order == sorted(order, reverse=True), "a prefill chunk before a decode"
         assert len(self.scheduler.running) <= self.config.max_num_seqs
         for chunk in output.chunks:
             table = self.kv.block_table(chunk.request.request_id)

@@ -156,8 +156,8 @@ class Scheduler:
                 self._schedule_running(request, plan)
         if not plan.preempted:
             self._admit_waiting(plan)
-        chunks = sorted(plan.chunks.values(), key=lambda c: _decode_first(c.request))
-        return SchedulerOutput(chunks, plan.preempted, plan.rejected)
+        # Insertion order is already decodes, running prefills, then admissions.
+        return SchedulerOutput(list(plan.chunks.values()), plan.preempted, plan.rejected)
 
     def _schedule_running(self, request: Request, plan: _StepPlan) -> None:
         num_new = min(request.num_uncomputed_tokens, plan.budget)
