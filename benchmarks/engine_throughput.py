@@ -30,8 +30,8 @@ from kvserve.engine.llm_engine import LLMEngine
 from kvserve.engine.tiny_model import ARCHES, make_tiny_model
 
 
-def random_prompt(length: int, rng: random.Random) -> list[int]:
-    return [rng.randrange(10, 1000) for _ in range(length)]
+def random_prompt(length: int, rng: random.Random, vocab_size: int) -> list[int]:
+    return [rng.randrange(10, vocab_size) for _ in range(length)]
 
 
 def timed(fn: Callable[[], object]) -> float:
@@ -53,21 +53,19 @@ def hf_generate(model, prompts: list[list[int]], max_new_tokens: int) -> None:
 
 def throughput(args: argparse.Namespace, model_dir: Path) -> tuple[float, float]:
     """Generated tokens/s of (kvserve, transformers), medians over the rounds."""
-    rng = random.Random(0)
-    prompts = [
-        random_prompt(rng.randint(args.prompt_len // 2, args.prompt_len), rng)
-        for _ in range(args.batch)
-    ]
     hf_model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     llm = LLM(model_dir, max_num_seqs=args.batch)
+    vocab_size = llm.engine.runner.config.vocab_size
+    rng = random.Random(0)
+    lengths = [rng.randint(args.prompt_len // 2, args.prompt_len) for _ in range(args.batch)]
     params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
     tokens = args.batch * args.output_len
     kvserve_s, hf_s = [], []
     for round_index in range(args.rounds + 1):  # round 0 warms both up
-        # Distinct prompts each round: the prefix cache must not serve earlier rounds.
-        shifted = [[(t + round_index) % 990 + 10 for t in p] for p in prompts]
-        k = timed(lambda: llm.generate(shifted, params))  # noqa: B023
-        h = timed(lambda: hf_generate(hf_model, shifted, args.output_len))  # noqa: B023
+        # Fresh prompts each round: the prefix cache must not serve earlier rounds.
+        prompts = [random_prompt(n, rng, vocab_size) for n in lengths]
+        k = timed(lambda: llm.generate(prompts, params))  # noqa: B023
+        h = timed(lambda: hf_generate(hf_model, prompts, args.output_len))  # noqa: B023
         if round_index:
             kvserve_s.append(k)
             hf_s.append(h)
@@ -86,12 +84,13 @@ def ttft(args: argparse.Namespace, model_dir: Path) -> tuple[float, float]:
     """Seconds to first token of (cold, 90%-cached) prompts, medians over the rounds."""
     rng = random.Random(1)
     engine = LLMEngine(model_dir)
+    vocab_size = engine.runner.config.vocab_size
     shared = int(args.ttft_prompt * 0.9)
     cold_s, cached_s = [], []
     for round_index in range(args.rounds + 1):
-        base = random_prompt(args.ttft_prompt, rng)
+        base = random_prompt(args.ttft_prompt, rng, vocab_size)
         cold = first_token_seconds(engine, f"cold-{round_index}", base)
-        follow_up = base[:shared] + random_prompt(args.ttft_prompt - shared, rng)
+        follow_up = base[:shared] + random_prompt(args.ttft_prompt - shared, rng, vocab_size)
         cached = first_token_seconds(engine, f"cached-{round_index}", follow_up)
         if round_index:
             cold_s.append(cold)
