@@ -29,7 +29,7 @@ from kvserve.router.route_query import build_route_query
 from kvserve.router.usage import StreamUsageReader, cached_tokens_in_body
 from kvserve.router.worker_registry import Worker, WorkerRegistry
 
-_FORWARDED_REQUEST_HEADERS = ("Content-Type", "Accept", "X-Request-Id")
+_FORWARDED_REQUEST_HEADERS = ("Accept", "X-Request-Id")
 
 
 @dataclass(slots=True)
@@ -253,8 +253,9 @@ class Proxy:
         return openai_error(status, message, error_type="invalid_request_error", code=code)
 
     def _upstream_headers(self, request: web.Request) -> dict[str, str]:
+        """The body parsed as JSON, so say so even when the client did not (``curl -d``)."""
         present = (k for k in _FORWARDED_REQUEST_HEADERS if k in request.headers)
-        headers = {k: request.headers[k] for k in present}
+        headers = {"Content-Type": "application/json"} | {k: request.headers[k] for k in present}
         if self._config.api_key is None and "Authorization" in request.headers:
             headers["Authorization"] = request.headers["Authorization"]  # the backend's key
         return headers

@@ -1,0 +1,103 @@
+"""``kvserve up``: a local fleet (workers + router on loopback), the README's main job.
+
+With no ``--model`` it serves a tiny random-weight model, made once into the cache folder
+(``$KVSERVE_CACHE_DIR``, else ``$XDG_CACHE_HOME/kvserve``, else ``~/.cache/kvserve``), so it
+runs on a fresh machine with no download.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import tempfile
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+TINY_MODEL_NAME = "tiny-llama"
+
+
+def cache_dir() -> Path:
+    if "KVSERVE_CACHE_DIR" in os.environ:
+        return Path(os.environ["KVSERVE_CACHE_DIR"])
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "kvserve"
+
+
+def tiny_model_dir() -> Path:
+    """The cached tiny model, made on first use; written aside and renamed into place, so an
+    interrupted first run never leaves a half-written model behind."""
+    target = cache_dir() / "models" / TINY_MODEL_NAME
+    if (target / "config.json").exists():
+        return target
+    from kvserve.engine.tiny_model import make_tiny_model
+
+    typer.echo(f"making the tiny model (first run) in {target} ...")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    scratch = Path(tempfile.mkdtemp(prefix=f".{TINY_MODEL_NAME}-", dir=target.parent))
+    try:
+        make_tiny_model(scratch, "llama", seed=0)
+        scratch.rename(target)
+    except OSError:
+        if not (target / "config.json").exists():  # not merely beaten by a concurrent run
+            raise
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    return target
+
+
+def _raise_keyboard_interrupt(_signum: int, _frame: object) -> None:
+    raise KeyboardInterrupt
+
+
+def register(app: typer.Typer) -> None:
+    @app.command()
+    def up(
+        workers: Annotated[int, typer.Option(min=1, help="Worker processes.")] = 2,
+        model: Annotated[
+            Path | None,
+            typer.Option(help="Hugging Face model folder (default: the tiny model).", exists=True),
+        ] = None,
+        policy: Annotated[str, typer.Option(help="Router policy.")] = "cache_aware",
+        host: Annotated[str, typer.Option(help="Router address.")] = "127.0.0.1",
+        port: Annotated[int, typer.Option(help="Router port.")] = 8000,
+        start_timeout: Annotated[float, typer.Option(help="Seconds to wait for health.")] = 180,
+    ) -> None:
+        """Start workers and a router on this machine; Ctrl-C stops everything."""
+        from kvserve.router.config import POLICY_NAMES
+        from kvserve.router.local_fleet import LocalFleet, StartError
+
+        if policy not in POLICY_NAMES:
+            raise typer.BadParameter(
+                f"choose one of {', '.join(POLICY_NAMES)}", param_hint="--policy"
+            )
+        model_dir = model.resolve() if model else tiny_model_dir()
+        log_dir = Path(tempfile.mkdtemp(prefix="kvserve-up-"))
+        fleet = LocalFleet(
+            model_dir, workers=workers, policy=policy, host=host, port=port, log_dir=log_dir
+        )
+        for signum in (signal.SIGINT, signal.SIGTERM):  # SIGINT too: `&` in a script ignores it
+            signal.signal(signum, _raise_keyboard_interrupt)
+        typer.echo(f"starting {workers} worker(s) on {model_dir.name} (logs: {log_dir}) ...")
+        try:
+            fleet.start(start_timeout)
+            typer.echo(
+                f"\nkvserve is up: {fleet.url}/v1  ({workers} workers, policy {policy})\n"
+                f"try:\n  curl {fleet.url}/v1/chat/completions -H 'Content-Type: application/json'"
+                f' -d \'{{"model": "{model_dir.name}", "messages": [{{"role": "user",'
+                f' "content": "Hello!"}}], "max_tokens": 16}}\'\n'
+                "Ctrl-C to stop.",
+            )
+            exited = fleet.wait_for_exit()
+            typer.echo(f"{exited.name} exited unexpectedly:\n{exited.log_tail()}", err=True)
+            raise typer.Exit(1)
+        except StartError as error:
+            typer.echo(str(error), err=True)
+            raise typer.Exit(1) from error
+        except KeyboardInterrupt:
+            typer.echo("stopping ...")
+        finally:
+            fleet.stop()
+        typer.echo("stopped.")

@@ -1,0 +1,196 @@
+"""Server processes on this machine: started, waited on until healthy, and stopped for sure.
+
+``kvserve up`` runs a fleet of workers and a router this way, and the tests and benchmarks
+use the same class. Each process gets its own session (so a terminal's Ctrl-C reaches only
+the supervisor, which then stops children in order) and writes to a log file (a pipe that
+nobody reads would block a chatty server); the log's tail is shown when a start fails.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+KVSERVE_COMMAND = (sys.executable, "-c", "from kvserve.cli import main; main()")
+
+
+class StartError(RuntimeError):
+    """A process exited or stayed unhealthy while starting."""
+
+
+class ServerProcess:
+    """A server started in its own session, answering on ``url``."""
+
+    def __init__(
+        self,
+        args: Sequence[str],
+        url: str,
+        *,
+        name: str = "server",
+        log_path: Path | None = None,
+        env: Mapping[str, str] | None = None,
+        cwd: Path | None = None,
+    ) -> None:
+        self.args = list(args)
+        self.url = url
+        self.name = name
+        if log_path is None:
+            handle, raw_path = tempfile.mkstemp(prefix=f"kvserve-{name}-", suffix=".log")
+            os.close(handle)
+            log_path = Path(raw_path)
+        self.log_path = log_path
+        with self.log_path.open("wb") as log:
+            self.process = subprocess.Popen(
+                self.args,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=None if env is None else {**os.environ, **env},
+                cwd=cwd,
+                start_new_session=True,
+            )
+
+    def alive(self) -> bool:
+        return self.process.poll() is None
+
+    def log_tail(self, lines: int = 30) -> str:
+        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+
+    def wait_healthy(self, timeout_s: float = 30.0, path: str = "/health") -> ServerProcess:
+        """Poll ``path`` until it answers 200; stop the process and raise if it dies or stalls."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if not self.alive():
+                raise StartError(f"{self.name} exited while starting:\n{self.log_tail()}")
+            try:
+                with urllib.request.urlopen(self.url + path, timeout=2.0) as response:
+                    if response.status == 200:
+                        return self
+            except (urllib.error.URLError, ConnectionError, TimeoutError):
+                pass
+            time.sleep(0.05)
+        self.stop()
+        raise StartError(f"{self.name} not healthy after {timeout_s}s:\n{self.log_tail()}")
+
+    def kill(self) -> None:
+        """Die like a crashed server: no graceful shutdown."""
+        self._signal(signal.SIGKILL)
+        self.process.wait()
+
+    def terminate(self) -> None:
+        """Ask for a graceful stop without waiting for it."""
+        self._signal(signal.SIGTERM)
+
+    def stop(self, timeout_s: float = 10.0) -> int:
+        """SIGTERM (a graceful stop), then SIGKILL after ``timeout_s``; the exit code."""
+        if self.alive():
+            self.terminate()
+            try:
+                self.process.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self.kill()
+        return self.process.returncode
+
+    def _signal(self, signum: int) -> None:
+        with contextlib.suppress(ProcessLookupError):  # already gone
+            os.killpg(self.process.pid, signum)
+
+    def __enter__(self) -> ServerProcess:
+        return self
+
+    def __exit__(self, *_exc: object) -> None:
+        self.stop()
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port that was free a moment ago (the OS picks it; reuse races are rare on loopback)."""
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+class LocalFleet:
+    """Workers and a router on this machine, started in order and stopped in reverse.
+
+    Workers share the CPU, so each gets ``cpus / workers`` threads unless the caller's
+    environment sets ``OMP_NUM_THREADS``.
+    """
+
+    def __init__(
+        self,
+        model_dir: Path,
+        *,
+        workers: int,
+        policy: str,
+        host: str,
+        port: int,
+        log_dir: Path,
+    ) -> None:
+        if workers < 1:
+            raise ValueError("a fleet needs at least one worker")
+        self._model_dir = model_dir
+        self._workers = workers
+        self._policy = policy
+        self._host = host
+        self._port = port
+        self.log_dir = log_dir
+        self.processes: list[ServerProcess] = []
+
+    @property
+    def url(self) -> str:
+        return f"http://{self._host}:{self._port}"
+
+    def start(self, timeout_s: float = 180.0) -> None:
+        """Start every worker, wait until all are healthy, then the router; all or nothing."""
+        threads = str(max(1, (os.cpu_count() or 1) // self._workers))
+        env = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", threads)}
+        try:
+            workers = []
+            for index in range(self._workers):
+                port = free_port()
+                args = [*KVSERVE_COMMAND, "worker", "--model", str(self._model_dir)]
+                args += ["--host", "127.0.0.1", "--port", str(port)]
+                workers.append(self._spawn(f"worker{index}", args, f"http://127.0.0.1:{port}", env))
+            for worker in workers:
+                worker.wait_healthy(timeout_s)
+            args = [*KVSERVE_COMMAND, "router", "--policy", self._policy, "--host", self._host]
+            args += ["--port", str(self._port), "--worker-urls", *(w.url for w in workers)]
+            self._spawn("router", args, self.url, env).wait_healthy(timeout_s)
+        except BaseException:
+            self.stop()
+            raise
+
+    def wait_for_exit(self, poll_s: float = 0.5) -> ServerProcess:
+        """Block until some process of the fleet exits (it should not); return it."""
+        while True:
+            for process in self.processes:
+                if not process.alive():
+                    return process
+            time.sleep(poll_s)
+
+    def stop(self, timeout_s: float = 15.0) -> None:
+        """The router first (no new requests), then all workers at once."""
+        router = [p for p in self.processes if p.name == "router"]
+        for process in router:
+            process.stop(timeout_s)
+        workers = [p for p in self.processes if p.name != "router"]
+        for process in workers:
+            process.terminate()
+        for process in workers:
+            process.stop(timeout_s)
+
+    def _spawn(self, name: str, args: list[str], url: str, env: Mapping[str, str]) -> ServerProcess:
+        process = ServerProcess(
+            args, url, name=name, log_path=self.log_dir / f"{name}.log", env=env
+        )
+        self.processes.append(process)
+        return process
