@@ -29,6 +29,7 @@ _COMMAND_MODULES = [
     "make_tiny_model",
     "bench",
     "router",
+    "up",
 ]
 
 for _name in _COMMAND_MODULES:
