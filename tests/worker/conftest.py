@@ -7,8 +7,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from tests.support.processes import ServerProcess
 from tests.worker.worker_process import start_worker
+
+from kvserve.router.local_fleet import ServerProcess
 
 # The worker inherits these: two cores are shared by every test process.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -26,4 +27,4 @@ def worker(tiny_model_dir: Path) -> Iterator[ServerProcess]:
     """One worker for the tests that leave it idle when they finish."""
     server = start_worker(tiny_model_dir)
     yield server
-    assert server.stop(timeout_s=30) == 0, server.log_text()
+    assert server.stop(timeout_s=30) == 0, server.log_tail()

@@ -6,8 +6,9 @@ from typing import Any
 
 import httpx
 import pytest
-from tests.support.processes import ServerProcess
 from tests.worker.worker_process import API_KEY, api, served_model
+
+from kvserve.router.local_fleet import ServerProcess
 
 
 def valid(worker: ServerProcess, **changes: Any) -> dict[str, Any]:

@@ -6,8 +6,9 @@ import threading
 import time
 
 import httpx
-from tests.support.processes import ServerProcess
 from tests.worker.worker_process import BLOCK_SIZE, api
+
+from kvserve.router.local_fleet import ServerProcess
 
 
 def complete(worker: ServerProcess, prompt: list[int]) -> None:

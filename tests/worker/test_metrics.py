@@ -5,8 +5,9 @@ from __future__ import annotations
 import re
 
 import httpx
-from tests.support.processes import ServerProcess
 from tests.worker.worker_process import api
+
+from kvserve.router.local_fleet import ServerProcess
 
 
 def sample(metrics: str, name: str) -> float:

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import httpx
-from tests.support.processes import ServerProcess
 from tests.worker.worker_process import api, load, openai_client, served_model
+
+from kvserve.router.local_fleet import ServerProcess
 
 IGNORE_EOS = {"ignore_eos": True}
 

@@ -7,8 +7,9 @@ import threading
 from pathlib import Path
 
 import httpx
-from tests.support.processes import ServerProcess
 from tests.worker.worker_process import AUTH, served_model, start_worker
+
+from kvserve.router.local_fleet import ServerProcess
 
 
 class StreamReader(threading.Thread):
@@ -51,7 +52,7 @@ def test_sigterm_finishes_short_requests_aborts_long_ones_and_exits_0(
 
     worker.process.send_signal(signal.SIGTERM)
     assert "data: [DONE]" not in short.lines  # it was in flight when the signal came
-    assert worker.process.wait(30) == 0, worker.log_text()
+    assert worker.process.wait(30) == 0, worker.log_tail()
     for reader in (short, long):
         reader.join(10)
 

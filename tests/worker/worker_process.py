@@ -7,8 +7,8 @@ from typing import Any
 
 import httpx
 import openai
-from tests.support.ports import free_port
-from tests.support.processes import KVSERVE, ServerProcess
+
+from kvserve.router.local_fleet import KVSERVE_COMMAND, ServerProcess, free_port
 
 API_KEY = "test-key"
 AUTH = {"authorization": f"Bearer {API_KEY}"}
@@ -21,7 +21,7 @@ def start_worker(model_dir: Path, *extra_args: str) -> ServerProcess:
     """Starts ``kvserve worker`` with an API key and waits until /health answers."""
     port = free_port()
     args = [
-        *KVSERVE, "worker", "--model", str(model_dir), "--port", str(port),
+        *KVSERVE_COMMAND, "worker", "--model", str(model_dir), "--port", str(port),
         "--api-key", API_KEY, "--num-blocks", str(NUM_BLOCKS), "--block-size", str(BLOCK_SIZE),
         "--max-num-batched-tokens", "256", "--device", "cpu", *extra_args,
     ]  # fmt: skip

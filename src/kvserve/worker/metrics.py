@@ -64,23 +64,16 @@ class WorkerMetrics:
     def __init__(self, read_state: Callable[[], EngineState]) -> None:
         self.registry = CollectorRegistry()
         self.registry.register(_EngineStateCollector(read_state))
-        self.time_to_first_token = Histogram(
+        self.time_to_first_token = self._latency_histogram(
             "kvserve_time_to_first_token_seconds",
             "From request arrival to its first generated token.",
-            buckets=_LATENCY_BUCKETS,
-            registry=self.registry,
         )
-        self.inter_token_latency = Histogram(
+        self.inter_token_latency = self._latency_histogram(
             "kvserve_inter_token_latency_seconds",
             "Between consecutive outputs of one request, per token.",
-            buckets=_LATENCY_BUCKETS,
-            registry=self.registry,
         )
-        self.e2e_latency = Histogram(
-            "kvserve_e2e_request_latency_seconds",
-            "From request arrival to its last token.",
-            buckets=_LATENCY_BUCKETS,
-            registry=self.registry,
+        self.e2e_latency = self._latency_histogram(
+            "kvserve_e2e_request_latency_seconds", "From request arrival to its last token."
         )
         self.requests_finished = Counter(
             "kvserve_requests",
@@ -94,6 +87,9 @@ class WorkerMetrics:
         self.generation_tokens = Counter(
             "kvserve_generation_tokens", "Tokens generated.", registry=self.registry
         )
+
+    def _latency_histogram(self, name: str, documentation: str) -> Histogram:
+        return Histogram(name, documentation, buckets=_LATENCY_BUCKETS, registry=self.registry)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -36,7 +36,8 @@ class OpenAIEndpoints:
         self.model_name: str = engine.engine.model_name
         self.created = int(time.time())
 
-    def check_api_key(self, request: Request) -> None:
+    async def check_api_key(self, request: Request) -> None:
+        """Async on purpose: FastAPI would run a plain function in a thread pool."""
         if self.api_key is None:
             return
         given = request.headers.get("authorization", "")

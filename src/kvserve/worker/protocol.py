@@ -17,6 +17,7 @@ _MAX_STOP_STRINGS = 16
 
 TokenId = Annotated[int, Field(ge=0, le=_MAX_INT32)]
 StopString = Annotated[str, Field(min_length=1, max_length=1024)]
+StopStrings = Annotated[list[StopString], Field(max_length=_MAX_STOP_STRINGS)]
 
 
 class StreamOptions(BaseModel):
@@ -36,7 +37,7 @@ class SamplingRequest(BaseModel):
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     top_k: int | None = Field(default=None, ge=-1, le=_MAX_INT32)
     min_tokens: int = Field(default=0, ge=0, le=_MAX_INT32)
-    stop: StopString | list[StopString] | None = Field(default=None)
+    stop: StopString | StopStrings | None = None
     seed: int | None = Field(default=None, ge=-(2**63), le=2**64 - 1)
     n: Literal[1] = 1
     ignore_eos: bool = False

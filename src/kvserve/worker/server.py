@@ -72,4 +72,4 @@ def serve(config: WorkerConfig) -> None:
         config.port,
         config.role,
     )
-    asyncio.run(server.serve())
+    server.run()  # on the loop that ``loop="uvloop"`` asks for
