@@ -6,15 +6,26 @@ group, prefill chunks in the other — and each group runs as one padded, masked
 over K/V gathered by block tables. Grouping keeps a long prefill chunk from padding every
 decode's query to its length; everything here is built once per step and reused by all
 layers, so no layer loops over sequences in Python.
+
+Grouped-query attention is folded rather than expanded: the query heads that share a KV
+head become extra query rows of that head (``[B, kv_heads, group * Q, D]``), so K/V are
+never repeated and a decode needs no transposes.
 """
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+
+def long_tensor(values: array, device: torch.device) -> torch.Tensor:
+    """An int64 tensor from an ``array('q')``: several times faster than ``torch.tensor`` on
+    a list, which matters at one step per generated token."""
+    return torch.frombuffer(values, dtype=torch.long).to(device)
 
 
 @dataclass(frozen=True, slots=True)
@@ -28,11 +39,14 @@ class SequenceSpan:
 
 @dataclass(frozen=True, slots=True)
 class _Group:
-    query_index: torch.Tensor  # [B, Q] flat token index of each padded query (pads repeat)
+    num_queries: int  # Q: padded query length of every sequence in the group
     block_tables: torch.Tensor  # [B, max_blocks], padded with block 0 (masked out)
-    valid: torch.Tensor  # [B, Q] which padded queries are real tokens
-    flat_valid_index: torch.Tensor  # flat token index of each real query, in valid order
-    masks: dict[int | None, torch.Tensor]  # window → [B, 1, Q, K] bool, True = attend
+    masks: dict[int | None, torch.Tensor]  # window → additive [B, 1, group * Q or 1, K]
+    # None when the group is the whole step in flat order with no padding (e.g. all
+    # decodes): its queries and outputs are then plain views of the step's tensors.
+    query_index: torch.Tensor | None  # [B * Q] flat token index of each padded query
+    valid: torch.Tensor | None  # [B * Q] which padded queries are real tokens
+    flat_valid_index: torch.Tensor | None  # flat token index of each real query
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,101 +64,152 @@ class StepLayout:
         spans: Sequence[SequenceSpan],
         *,
         block_size: int,
+        query_group_size: int,
         windows: set[int | None],
+        dtype: torch.dtype,
         device: torch.device,
     ) -> StepLayout:
-        positions: list[int] = []
-        slots: list[int] = []
-        offsets: list[int] = []
-        for span in spans:
-            offsets.append(len(positions))
-            for pos in range(span.start_pos, span.start_pos + span.num_new):
-                positions.append(pos)
-                slots.append(span.block_table[pos // block_size] * block_size + pos % block_size)
-        last = [offset + span.num_new - 1 for offset, span in zip(offsets, spans, strict=True)]
-        decode = [i for i, span in enumerate(spans) if span.num_new == 1]
-        prefill = [i for i, span in enumerate(spans) if span.num_new > 1]
+        """Python touches each sequence once (to pad its block table); per-token work is
+        done by tensor ops, so a long prefill chunk costs no Python loop."""
+        counts = [span.num_new for span in spans]
+        used_blocks = [-(-(span.start_pos + span.num_new) // block_size) for span in spans]
+        width = max(used_blocks)
+        padded_tables = array("q")
+        for span, used in zip(spans, used_blocks, strict=True):
+            padded_tables.extend(span.block_table[:used])
+            padded_tables.extend([0] * (width - used))
+        tables = long_tensor(padded_tables, device).view(len(spans), width)
+        starts, num_new = long_tensor(
+            array("q", [span.start_pos for span in spans] + counts), device
+        ).view(2, -1)
+        offsets = num_new.cumsum(0) - num_new
+        seq = torch.repeat_interleave(num_new, output_size=sum(counts))  # sequence of each token
+        token_index = torch.arange(sum(counts), device=device)
+        positions = starts[seq] + token_index - offsets[seq]
+        slots = tables[seq, positions // block_size] * block_size + positions % block_size
+        step = _StepTensors(tables, starts, num_new, offsets)
+        decode = [i for i, count in enumerate(counts) if count == 1]
+        prefill = [i for i, count in enumerate(counts) if count > 1]
+        members_of_groups = [members for members in (decode, prefill) if members]
         groups = tuple(
             _build_group(
-                [spans[i] for i in members],
-                [offsets[i] for i in members],
+                step,
+                None if len(members_of_groups) == 1 else members,
+                num_queries=max(counts[i] for i in members),
+                num_blocks=max(used_blocks[i] for i in members),
                 block_size=block_size,
+                query_group_size=query_group_size,
                 windows=windows,
-                device=device,
+                dtype=dtype,
             )
-            for members in (decode, prefill)
-            if members
+            for members in members_of_groups
         )
         return cls(
-            positions=torch.tensor(positions, dtype=torch.long, device=device),
-            slots=torch.tensor(slots, dtype=torch.long, device=device),
-            last_token_index=torch.tensor(last, dtype=torch.long, device=device),
+            positions=positions,
+            slots=slots,
+            last_token_index=offsets + num_new - 1,
             groups=groups,
         )
 
 
+@dataclass(frozen=True, slots=True)
+class _StepTensors:
+    """Per-sequence facts of the step, one row per sequence."""
+
+    tables: torch.Tensor  # [N, max_blocks]
+    starts: torch.Tensor  # [N]
+    num_new: torch.Tensor  # [N]
+    offsets: torch.Tensor  # [N] flat index of each sequence's first new token
+
+
 def _build_group(
-    spans: list[SequenceSpan],
-    offsets: list[int],
+    step: _StepTensors,
+    members: list[int] | None,
     *,
+    num_queries: int,
+    num_blocks: int,
     block_size: int,
+    query_group_size: int,
     windows: set[int | None],
-    device: torch.device,
+    dtype: torch.dtype,
 ) -> _Group:
-    max_new = max(span.num_new for span in spans)
-    max_blocks = max(-(-(span.start_pos + span.num_new) // block_size) for span in spans)
-    query_index, query_pos, valid, tables = [], [], [], []
-    for span, offset in zip(spans, offsets, strict=True):
-        # A pad query repeats the sequence's last token, so its mask row is never empty.
-        steps = [min(q, span.num_new - 1) for q in range(max_new)]
-        query_index.append([offset + s for s in steps])
-        query_pos.append([span.start_pos + s for s in steps])
-        valid.append([q < span.num_new for q in range(max_new)])
-        used = -(-(span.start_pos + span.num_new) // block_size)
-        tables.append(list(span.block_table[:used]) + [0] * (max_blocks - used))
-    as_long = {"dtype": torch.long, "device": device}
-    query_index_t = torch.tensor(query_index, **as_long)
-    query_pos_t = torch.tensor(query_pos, **as_long)
-    valid_t = torch.tensor(valid, dtype=torch.bool, device=device)
-    key_pos = torch.arange(max_blocks * block_size, **as_long)
-    delta = query_pos_t[:, :, None] - key_pos[None, None, :]  # [B, Q, K]; >= 0 is causal
-    masks = {
-        window: ((delta >= 0) if window is None else (delta >= 0) & (delta < window))[:, None]
-        for window in windows
-    }
+    """``members`` None: the group is every sequence of the step, in order."""
+    tables, starts, num_new, offsets = step.tables, step.starts, step.num_new, step.offsets
+    if members is not None:
+        rows = torch.tensor(members, dtype=torch.long, device=tables.device)
+        tables, starts, num_new, offsets = tables[rows], starts[rows], num_new[rows], offsets[rows]
+    device = tables.device
+    query_steps = torch.arange(num_queries, device=device)
+    # A pad query repeats its sequence's last token, so no mask row is empty.
+    clamped = torch.minimum(query_steps[None, :], num_new[:, None] - 1)  # [B, Q]
+    key_pos = torch.arange(num_blocks * block_size, device=device)
+    delta = (starts[:, None] + clamped)[:, :, None] - key_pos  # [B, Q, K]; >= 0 is causal
+    batch, keys = delta.shape[0], key_pos.shape[0]
+    masks = {}
+    for window in windows:
+        blocked = (delta < 0) if window is None else (delta < 0) | (delta >= window)
+        additive = torch.zeros(blocked.shape, dtype=dtype, device=device).masked_fill_(
+            blocked, float("-inf")
+        )[:, None]  # [B, 1, Q, K]
+        if num_queries > 1:
+            # Rows are (query head within the KV group, query), matching the folded queries;
+            # a single query row broadcasts over the group as it is.
+            additive = additive[:, :, None].expand(batch, 1, query_group_size, num_queries, keys)
+            additive = additive.reshape(batch, 1, query_group_size * num_queries, keys)
+        masks[window] = additive
+    padded = members is not None or bool((num_new < num_queries).any())
+    query_index = valid = flat_valid_index = None
+    if padded:
+        query_index = (offsets[:, None] + clamped).view(-1)
+        valid = (query_steps[None, :] < num_new[:, None]).view(-1)
+        flat_valid_index = query_index[valid]
     return _Group(
-        query_index=query_index_t,
-        block_tables=torch.tensor(tables, **as_long),
-        valid=valid_t,
-        flat_valid_index=query_index_t[valid_t],
+        num_queries=num_queries,
+        block_tables=tables[:, :num_blocks].contiguous(),
         masks=masks,
+        query_index=query_index,
+        valid=valid,
+        flat_valid_index=flat_valid_index,
     )
 
 
 def paged_attention(
     q: torch.Tensor,
-    key_pool: torch.Tensor,
-    value_pool: torch.Tensor,
+    kv_pool: torch.Tensor,
     layout: StepLayout,
     *,
     window: int | None,
     scale: float,
 ) -> torch.Tensor:
     """``q``: ``[T, num_heads, head_dim]`` for the step's new tokens, whose K/V are already
-    in the pools (``[num_blocks, block_size, num_kv_heads, head_dim]``). Returns the
+    in ``kv_pool`` (``[num_blocks, block_size, 2 * num_kv_heads, head_dim]``). Returns the
     attention output ``[T, num_heads, head_dim]``."""
-    out = torch.empty_like(q)
+    num_tokens, num_heads, head_dim = q.shape
+    num_kv_heads = kv_pool.shape[2] // 2
+    group_size = num_heads // num_kv_heads
+    grouped_q = q.view(num_tokens, num_kv_heads, group_size, head_dim)
+    out = None
     for group in layout.groups:
-        keys = key_pool[group.block_tables].flatten(1, 2).transpose(1, 2)  # [B, KVH, K, D]
-        values = value_pool[group.block_tables].flatten(1, 2).transpose(1, 2)
-        queries = q[group.query_index].transpose(1, 2)  # [B, H, Q, D]
+        batch, num_queries = group.block_tables.shape[0], group.num_queries
+        # index_select on the flat block axis is a row copy; advanced indexing of the 4-D
+        # pool is several times slower, and this gather is the step's largest cost.
+        kv = kv_pool.index_select(0, group.block_tables.view(-1))
+        kv = kv.view(batch, -1, *kv_pool.shape[2:]).transpose(1, 2)  # [B, 2*KVH, K, D]
+        keys, values = kv[:, :num_kv_heads], kv[:, num_kv_heads:]
+        queries = grouped_q if group.query_index is None else grouped_q[group.query_index]
+        queries = queries.view(batch, num_queries, num_kv_heads, group_size, head_dim)
+        queries = queries.permute(0, 2, 3, 1, 4).reshape(batch, num_kv_heads, -1, head_dim)
         attended = F.scaled_dot_product_attention(
-            queries,
-            keys,
-            values,
-            attn_mask=group.masks[window],
-            scale=scale,
-            enable_gqa=True,
+            queries, keys, values, attn_mask=group.masks[window], scale=scale
         )
-        out[group.flat_valid_index] = attended.transpose(1, 2)[group.valid]
+        attended = (
+            attended.view(batch, num_kv_heads, group_size, num_queries, head_dim)
+            .permute(0, 3, 1, 2, 4)
+            .reshape(batch * num_queries, num_heads, head_dim)
+        )
+        if group.query_index is None:
+            return attended
+        if out is None:
+            out = torch.empty_like(q)
+        out[group.flat_valid_index] = attended[group.valid]
     return out

@@ -11,7 +11,9 @@ import torch
 
 
 class KVPool:
-    """Per layer, K and V of shape ``[num_blocks, block_size, num_kv_heads, head_dim]``.
+    """Per layer one tensor ``[num_blocks, block_size, 2 * num_kv_heads, head_dim]``: K heads
+    then V heads of each slot side by side, so one write stores both and one gather by
+    block table reads both (the step's cost is mostly op count, not bytes).
 
     All layers share one allocation so the whole cache is reserved (or refused) at once.
     """
@@ -31,8 +33,9 @@ class KVPool:
             raise ValueError(f"KV pool needs positive sizes, got {num_blocks=} {block_size=}")
         self.num_blocks = num_blocks
         self.block_size = block_size
+        self.num_kv_heads = num_kv_heads
         self._storage = torch.zeros(
-            (num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim),
+            (num_layers, num_blocks, block_size, 2 * num_kv_heads, head_dim),
             dtype=dtype,
             device=device,
         )
@@ -44,13 +47,18 @@ class KVPool:
         element_size = torch.empty((), dtype=dtype).element_size()
         return num_layers * 2 * block_size * num_kv_heads * head_dim * element_size
 
+    def layer(self, layer: int) -> torch.Tensor:
+        """``[num_blocks, block_size, 2 * num_kv_heads, head_dim]``, K heads first."""
+        return self._storage[layer]
+
     def keys(self, layer: int) -> torch.Tensor:
-        return self._storage[layer, 0]
+        return self._storage[layer, :, :, : self.num_kv_heads]
 
     def values(self, layer: int) -> torch.Tensor:
-        return self._storage[layer, 1]
+        return self._storage[layer, :, :, self.num_kv_heads :]
 
-    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Store ``k``/``v`` of shape ``[num_tokens, num_kv_heads, head_dim]`` at ``slots``."""
-        for pool, new in ((self.keys(layer), k), (self.values(layer), v)):
-            pool.view(-1, *pool.shape[2:]).index_copy_(0, slots, new)
+    def write(self, layer: int, slots: torch.Tensor, kv: torch.Tensor) -> None:
+        """Store ``kv`` ``[num_tokens, 2 * num_kv_heads, head_dim]`` (K heads, then V) at
+        ``slots``."""
+        pool = self._storage[layer]
+        pool.view(-1, *pool.shape[2:]).index_copy_(0, slots, kv)

@@ -7,12 +7,13 @@ sequences share one forward.
 
 from __future__ import annotations
 
+from array import array
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from kvserve.engine.attention import SequenceSpan, StepLayout
+from kvserve.engine.attention import SequenceSpan, StepLayout, long_tensor
 from kvserve.engine.device import pick_device, pick_dtype
 from kvserve.engine.kv_pool import KVPool
 from kvserve.engine.model_config import ModelConfig
@@ -77,13 +78,20 @@ class ModelRunner:
             SequenceSpan(item.start_pos, len(item.token_ids), item.block_table) for item in batch
         ]
         layout = StepLayout.build(
-            spans, block_size=self.block_size, windows=self._windows, device=self.device
+            spans,
+            block_size=self.block_size,
+            query_group_size=self.config.num_heads // self.config.num_kv_heads,
+            windows=self._windows,
+            dtype=self.dtype,
+            device=self.device,
         )
-        token_ids = torch.tensor(
-            [t for item in batch for t in item.token_ids], dtype=torch.long, device=self.device
-        )
+        token_ids = array("q")
+        for item in batch:
+            token_ids.extend(item.token_ids)
         max_position = max(item.start_pos + len(item.token_ids) for item in batch) - 1
-        hidden = self.model.forward(token_ids, layout, self.kv_pool, max_position)
+        hidden = self.model.forward(
+            long_tensor(token_ids, self.device), layout, self.kv_pool, max_position
+        )
         return self.model.logits(hidden)
 
     def _check(self, batch: list[SequenceBatchItem]) -> None:
@@ -99,7 +107,8 @@ class ModelRunner:
             needed = -(-(item.start_pos + len(item.token_ids)) // self.block_size)
             if len(item.block_table) < needed:
                 raise ValueError(f"block table has {len(item.block_table)} blocks, {needed} needed")
-            if any(not 0 <= b < self.kv_pool.num_blocks for b in item.block_table[:needed]):
+            used = item.block_table[:needed]
+            if min(used) < 0 or max(used) >= self.kv_pool.num_blocks:
                 raise ValueError(f"block id out of range [0, {self.kv_pool.num_blocks})")
-            if any(not 0 <= t < self.config.vocab_size for t in item.token_ids):
+            if min(item.token_ids) < 0 or max(item.token_ids) >= self.config.vocab_size:
                 raise ValueError(f"token id out of range [0, {self.config.vocab_size})")

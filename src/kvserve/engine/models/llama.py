@@ -21,10 +21,19 @@ from kvserve.engine.weights import CheckpointTensors
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """In float32 then back, as the reference implementation does."""
-    x32 = x.to(torch.float32)
-    normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * normed.to(x.dtype)
+    """Over the last dim; a 2-D ``weight`` (Qwen3's stacked per-head norms) broadcasts."""
+    if weight.dim() == 1:
+        return F.rms_norm(x, x.shape[-1:], weight, eps)
+    return F.rms_norm(x, x.shape[-1:], eps=eps) * weight
+
+
+def residual_linear(
+    residual: torch.Tensor, x: torch.Tensor, weight_t: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """``residual + x @ weight_t (+ bias)``; without a bias, one fused op."""
+    if bias is None:
+        return torch.addmm(residual, x, weight_t)
+    return residual + F.linear(x, weight_t.t(), bias)
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,14 +41,15 @@ class _Layer:
     input_norm: torch.Tensor
     qkv_weight: torch.Tensor
     qkv_bias: torch.Tensor | None
-    q_norm: torch.Tensor | None
-    k_norm: torch.Tensor | None
-    o_weight: torch.Tensor
+    # Qwen3's per-head q and k norms as one [heads + kv_heads, head_dim] weight, so both
+    # are normalized in one op on the fused projection.
+    qk_norm: torch.Tensor | None
+    o_weight_t: torch.Tensor  # transposed views: the residual adds fuse into addmm
     o_bias: torch.Tensor | None
     post_norm: torch.Tensor
     gate_up_weight: torch.Tensor
     gate_up_bias: torch.Tensor | None
-    down_weight: torch.Tensor
+    down_weight_t: torch.Tensor
     down_bias: torch.Tensor | None
     window: int | None
 
@@ -70,16 +80,25 @@ def _load_layer(config: ModelConfig, tensors: CheckpointTensors, index: int) -> 
         input_norm=get("input_layernorm.weight", (hidden,)),
         qkv_weight=qkv_weight,
         qkv_bias=qkv_bias,
-        q_norm=get("self_attn.q_norm.weight", (head_dim,)) if flags.qk_norm else None,
-        k_norm=get("self_attn.k_norm.weight", (head_dim,)) if flags.qk_norm else None,
-        o_weight=get("self_attn.o_proj.weight", (hidden, q_size)),
+        qk_norm=_stacked_qk_norm(config, get) if flags.qk_norm else None,
+        o_weight_t=get("self_attn.o_proj.weight", (hidden, q_size)).t(),
         o_bias=get("self_attn.o_proj.bias", (hidden,)) if flags.o_bias else None,
         post_norm=get("post_attention_layernorm.weight", (hidden,)),
         gate_up_weight=gate_up_weight,
         gate_up_bias=gate_up_bias,
-        down_weight=get("mlp.down_proj.weight", (hidden, inter)),
+        down_weight_t=get("mlp.down_proj.weight", (hidden, inter)).t(),
         down_bias=get("mlp.down_proj.bias", (hidden,)) if config.mlp_bias else None,
         window=config.sliding_windows[index],
+    )
+
+
+def _stacked_qk_norm(config: ModelConfig, get) -> torch.Tensor:
+    shape = (config.head_dim,)
+    return torch.cat(
+        (
+            get("self_attn.q_norm.weight", shape).expand(config.num_heads, -1),
+            get("self_attn.k_norm.weight", shape).expand(config.num_kv_heads, -1),
+        )
     )
 
 
@@ -117,38 +136,30 @@ class LlamaFamilyModel:
     ) -> torch.Tensor:
         """Hidden states after the final norm for the step's last tokens: ``[num_seqs, hidden]``."""
         config = self.config
-        num_tokens = token_ids.shape[0]
-        q_size = config.num_heads * config.head_dim
-        kv_size = config.num_kv_heads * config.head_dim
+        num_tokens, heads, kv_heads = token_ids.shape[0], config.num_heads, config.num_kv_heads
         cos, sin = self.rotary.lookup(layout.positions, max_position)
         hidden = self.embed[token_ids]
         for index, layer in enumerate(self.layers):
             x = rms_norm(hidden, layer.input_norm, config.rms_norm_eps)
-            q, k, v = F.linear(x, layer.qkv_weight, layer.qkv_bias).split(
-                (q_size, kv_size, kv_size), dim=-1
+            qkv = F.linear(x, layer.qkv_weight, layer.qkv_bias)
+            qkv = qkv.view(num_tokens, heads + 2 * kv_heads, config.head_dim)
+            qk = qkv[:, : heads + kv_heads]
+            if layer.qk_norm is not None:
+                qk = rms_norm(qk, layer.qk_norm, config.rms_norm_eps)
+            qk = apply_rotary(qk, cos, sin)
+            kv_pool.write(
+                index, layout.slots, torch.cat((qk[:, heads:], qkv[:, heads + kv_heads :]), 1)
             )
-            q = q.view(num_tokens, config.num_heads, config.head_dim)
-            k = k.view(num_tokens, config.num_kv_heads, config.head_dim)
-            v = v.view(num_tokens, config.num_kv_heads, config.head_dim)
-            if layer.q_norm is not None:
-                q = rms_norm(q, layer.q_norm, config.rms_norm_eps)
-                k = rms_norm(k, layer.k_norm, config.rms_norm_eps)
-            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-            kv_pool.write(index, layout.slots, k, v)
             attended = paged_attention(
-                q,
-                kv_pool.keys(index),
-                kv_pool.values(index),
-                layout,
-                window=layer.window,
-                scale=self._scale,
+                qk[:, :heads], kv_pool.layer(index), layout, window=layer.window, scale=self._scale
             )
-            hidden = hidden + F.linear(
-                attended.view(num_tokens, q_size), layer.o_weight, layer.o_bias
-            )
+            attended = attended.reshape(num_tokens, heads * config.head_dim)
+            hidden = residual_linear(hidden, attended, layer.o_weight_t, layer.o_bias)
             x = rms_norm(hidden, layer.post_norm, config.rms_norm_eps)
             gate, up = F.linear(x, layer.gate_up_weight, layer.gate_up_bias).chunk(2, dim=-1)
-            hidden = hidden + F.linear(F.silu(gate) * up, layer.down_weight, layer.down_bias)
+            hidden = residual_linear(
+                hidden, F.silu(gate) * up, layer.down_weight_t, layer.down_bias
+            )
         last = hidden[layout.last_token_index]
         return rms_norm(last, self.final_norm, config.rms_norm_eps)
 
