@@ -222,7 +222,7 @@ def test_counters_are_exact():
         lambda ledger: ledger._pool.pop(),
         lambda ledger: ledger._state.__setitem__(ledger._pool[0], 2),
         lambda ledger: ledger._tree._ref.__setitem__(next(iter(ledger._tree.blocks())), 1),
-        lambda ledger: ledger._tree._heap.clear(),
+        lambda ledger: ledger._tree._released.clear(),
     ],
 )
 def test_check_detects_broken_invariants(corrupt):

@@ -42,8 +42,8 @@ class LedgerMachine(RuleBasedStateMachine):
         self.cached: dict[int, tuple[int, int | None]] = {}  # hash -> (block, parent hash)
         self.pins: Counter[int] = Counter()
         self.handles: list[list[int]] = []  # pins taken, each released as one unpin call
-        self.released_at: dict[int, int] = {}
-        self.clock = 0
+        self.released_at: dict[int, int] = {}  # block -> when its last pin went
+        self.clock = 0  # counts releases of a last pin
         self.mirror: dict[int, int | None] = {}  # rebuilt from events only
         self.seen_seq = 0
         self.expected_queries = 0
@@ -63,13 +63,13 @@ class LedgerMachine(RuleBasedStateMachine):
         while len(order) < limit:
             has_child = {parent for parent in parents.values() if parent is not None}
             leaves = [
-                (self.released_at[self.cached[h][0]], self.cached[h][0], h)
+                (self.released_at[self.cached[h][0]], h)
                 for h in parents
                 if h not in has_child and not self.pins[self.cached[h][0]]
             ]
             if not leaves:
                 break
-            _, _, oldest = min(leaves)
+            _, oldest = min(leaves)
             order.append(oldest)
             del parents[oldest]
         return order
@@ -224,10 +224,10 @@ class LedgerMachine(RuleBasedStateMachine):
         handle = self.handles.pop(data.draw(st.integers(0, len(self.handles) - 1)))
         blocks = data.draw(st.permutations(handle))
         self.ledger.unpin(blocks)
-        self.clock += 1
         for block in blocks:
             self.pins[block] -= 1
             if not self.pins[block]:
+                self.clock += 1
                 self.released_at[block] = self.clock
 
     @rule(data=st.data())

@@ -33,12 +33,12 @@ def test_a_parent_used_after_its_children_is_ordered_by_its_own_release():
     tree.check()
 
 
-def test_blocks_released_together_go_by_block_id():
+def test_blocks_released_together_age_in_the_order_given():
     tree = PrefixTree(8)
-    tree.insert([30], [5], 0)
-    tree.insert([31], [3], 0)
+    tree.insert([30], [3], 0)
+    tree.insert([31], [5], 0)
     tree.unpin([5, 3])
-    assert tree.evict(2) == ([31, 30], [3, 5])
+    assert tree.evict(2) == ([31, 30], [5, 3])
 
 
 def test_a_pinned_descendant_holds_every_ancestor():
@@ -87,11 +87,11 @@ def test_items_list_parents_before_children_after_churn():
     tree.check()
 
 
-def test_heap_of_a_hot_block_stays_bounded():
+def test_candidate_queue_of_a_hot_block_stays_bounded():
     tree = PrefixTree(4)
     grow(tree, [10], [0])
     for _ in range(10_000):
         tree.unpin(tree.match([10]))
-    assert len(tree._heap) <= 2 * len(tree) + 64 + 1
+    assert len(tree._released) <= 2 * len(tree) + 64 + 1
     tree.check()
     assert tree.evict(1) == ([10], [0])

@@ -7,11 +7,13 @@ block id rather than in node objects: the hot loops then touch a few lists of sm
 ints, which is what CPython does fastest.
 
 Eviction takes the least recently released unpinned leaf, and a parent becomes a leaf
-candidate once its last child goes. The candidates sit in a heap of plain ints
-``(stamp << shift) | block`` (int comparisons run in C), invalidated lazily: an entry
-counts only while its block still has that stamp, no pins and no children. ``stamp`` is
-a logical clock value taken when the block was last released, so a parent that a
-request used after its children is ordered by its own, newer, release.
+candidate once its last child goes. Each block released gets the next value of a logical
+clock as its stamp, so a parent that a request used after its children is ordered by its
+own, newer, release. Candidates are plain ints ``(stamp << shift) | block`` (compared in
+C) and are invalidated lazily: an entry counts only while its block still has that
+stamp, no pins and no children. Released leaves arrive in stamp order, so they queue in
+a deque (O(1) each); only parents exposed by eviction, whose stamps are older, need a
+heap, and it stays as small as the number of branches being eaten.
 
 A block is *held* while it is pinned or has a held child. Held blocks cannot be
 reclaimed even by repeated eviction; every other cached block can. Keeping a count of
@@ -24,6 +26,7 @@ and parents, while the ledger checks who owns which block.
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Iterable, Iterator, Sequence
 from heapq import heapify, heappop, heappush
 
@@ -35,9 +38,9 @@ from kvserve.core.kv_cache_errors import (
 
 _NO_PARENT = -1
 _NOT_RELEASED = -1
-# A heap this many entries beyond twice the tree's size is rebuilt from its live entries;
-# each rebuild at least halves it, so the cost per entry pushed stays O(1).
-_HEAP_SLACK = 64
+# Candidate queues this many entries beyond twice the tree's size are rebuilt from their
+# live entries; each rebuild at least halves them, so the cost per entry stays O(1).
+_QUEUE_SLACK = 64
 
 
 class PrefixTree:
@@ -47,12 +50,13 @@ class PrefixTree:
         "_block_of",
         "_children",
         "_clock",
+        "_exposed",
         "_hash",
-        "_heap",
         "_held_children",
         "_mask",
         "_parent",
         "_ref",
+        "_released",
         "_shift",
         "_stamp",
         "num_held",
@@ -68,7 +72,8 @@ class PrefixTree:
         self._ref = [0] * capacity
         self._held_children = [0] * capacity
         self._stamp = [_NOT_RELEASED] * capacity
-        self._heap: list[int] = []
+        self._released: deque[int] = deque()  # released leaves, in stamp order
+        self._exposed: list[int] = []  # heap: parents exposed by eviction
         self._shift = max(1, (capacity - 1).bit_length())
         self._mask = (1 << self._shift) - 1
         self._clock = 0
@@ -152,34 +157,38 @@ class PrefixTree:
                 self._become_held(block)
 
     def unpin(self, blocks: Sequence[int]) -> None:
-        """Remove one pin from each of ``blocks``; all or nothing.
+        """Remove one pin from each of ``blocks``, in order; all or nothing.
 
-        Blocks whose last pin goes are stamped with one new clock value for the whole
-        call; those that are leaves become eviction candidates.
+        Each block whose last pin goes is stamped with the next clock value (so blocks
+        released by one call age in the order given); leaves among them join the queue
+        of eviction candidates.
         """
-        self._clock += 1
-        stamp_now = self._clock
         ref = self._ref
         children = self._children
         held_children = self._held_children
         stamp = self._stamp
-        heap = self._heap
-        entry_base = stamp_now << self._shift
+        queue = self._released.append
+        shift = self._shift
+        clock = self._clock
         for done, block in enumerate(blocks):
             count = ref[block]
             if not count:
-                self.pin(blocks[:done])  # restores the pins; new stamps matter only once
-                # a block is released again, which stamps it anew
+                # Re-pinning restores the pins; the stamps given meanwhile are never read
+                # (a stamp counts only while unpinned) and the next release renews them.
+                self._clock = clock
+                self.pin(blocks[:done])
                 raise NotPinnedError(f"block {block} is not pinned")
             ref[block] = count - 1
             if count == 1:
-                stamp[block] = stamp_now
+                clock += 1
+                stamp[block] = clock
                 if not held_children[block]:
                     self._become_unheld(block)
                 if not children[block]:
-                    heappush(heap, entry_base | block)
-        if len(heap) > 2 * len(self._block_of) + _HEAP_SLACK:
-            self._rebuild_heap()
+                    queue((clock << shift) | block)
+        self._clock = clock
+        if len(self._released) + len(self._exposed) > 2 * len(self._block_of) + _QUEUE_SLACK:
+            self._compact_queues()
 
     def _drop_pins(self, blocks: Iterable[int]) -> None:
         """Take back pins that were never visible to anyone: no release, no new stamp."""
@@ -252,7 +261,6 @@ class PrefixTree:
         children = self._children
         ref = self._ref
         held_children = self._held_children
-        stamp = self._stamp
         up = parent_block
         for i in range(first, len(hashes)):
             block_hash = hashes[i]
@@ -266,14 +274,15 @@ class PrefixTree:
                 )
             hash_[block] = block_hash
             parent[block] = up
-            children[block] = 0
             ref[block] = 1
-            held_children[block] = 1  # its successor in the chain is pinned
-            stamp[block] = _NOT_RELEASED
-            if up != _NO_PARENT:
-                children[up] += 1
             up = block
-        held_children[up] = 0
+        # Blocks out of the tree keep no children, held children or stamp, so only the
+        # links inside the new chain need setting.
+        for block in blocks[first:-1]:
+            children[block] = 1
+            held_children[block] = 1
+        if parent_block != _NO_PARENT:
+            children[parent_block] += 1
         # The new chain is pinned end to end: only its first block can change the held
         # state of the blocks above it.
         self.num_held += len(hashes) - first - 1
@@ -281,22 +290,21 @@ class PrefixTree:
         return existing
 
     def _withdraw(self, chain: Sequence[int]) -> None:
-        """Undo a partly published chain (nothing else saw it): deepest block first."""
+        """Undo a partly published chain: nothing else saw it, and its links to children
+        and parent are set only once the whole chain is in."""
         block_of = self._block_of
-        children = self._children
-        for block in reversed(chain):
+        for block in chain:
             del block_of[self._hash[block]]
             self._ref[block] = 0
-            up = self._parent[block]
-            if up != _NO_PARENT:
-                children[up] -= 1
 
     def evict(self, num_blocks: int) -> tuple[list[int], list[int]]:
         """Remove up to ``num_blocks`` least recently released unpinned leaves.
 
         Returns ``(hashes, blocks)`` of what was removed, in eviction order.
         """
-        heap = self._heap
+        released = self._released
+        take_released = released.popleft
+        exposed = self._exposed
         block_of = self._block_of
         hash_ = self._hash
         parent = self._parent
@@ -308,8 +316,13 @@ class PrefixTree:
         evicted_hashes: list[int] = []
         evicted_blocks: list[int] = []
         remaining = num_blocks
-        while remaining > 0 and heap:
-            entry = heappop(heap)
+        while remaining > 0:
+            if exposed and (not released or exposed[0] < released[0]):
+                entry = heappop(exposed)
+            elif released:
+                entry = take_released()
+            else:
+                break
             block = entry & mask
             if stamp[block] != entry >> shift or ref[block] or children[block]:
                 continue
@@ -324,7 +337,7 @@ class PrefixTree:
                 count = children[up] - 1
                 children[up] = count
                 if not count and not ref[up]:
-                    heappush(heap, (stamp[up] << shift) | up)
+                    heappush(exposed, (stamp[up] << shift) | up)
         return evicted_hashes, evicted_blocks
 
     def _is_candidate(self, entry: int) -> bool:
@@ -335,15 +348,17 @@ class PrefixTree:
             and not self._children[block]
         )
 
-    def _rebuild_heap(self) -> None:
-        live = [entry for entry in set(self._heap) if self._is_candidate(entry)]
-        heapify(live)
-        self._heap = live
+    def _compact_queues(self) -> None:
+        is_candidate = self._is_candidate
+        self._released = deque(entry for entry in self._released if is_candidate(entry))
+        exposed = [entry for entry in set(self._exposed) if is_candidate(entry)]
+        heapify(exposed)
+        self._exposed = exposed
 
     # ---------------------------------------------------------------- invariants
 
     def check(self) -> None:
-        """Raise AssertionError if links, counts, held state or the LRU heap disagree."""
+        """Raise AssertionError if links, counts, held state or eviction queues disagree."""
         order = {block: i for i, block in enumerate(self._block_of.values())}
         assert len(order) == len(self._block_of), "a block holds two hashes"
         children_count = dict.fromkeys(order, 0)
@@ -368,9 +383,17 @@ class PrefixTree:
                 f"block {block}: held children count"
             )
         assert self.num_held == sum(held.values()), "held count drifted"
-        live = {entry & self._mask for entry in self._heap if self._is_candidate(entry)}
+        released = list(self._released)
+        assert released == sorted(released), "released leaves out of stamp order"
+        entries = released + self._exposed
+        live = {entry & self._mask for entry in entries if self._is_candidate(entry)}
         for block in order:
             if not self._ref[block] and not self._children[block]:
                 assert self._stamp[block] >= 0, f"unpinned leaf {block} was never released"
-                assert block in live, f"unpinned leaf {block} missing from the LRU heap"
-        assert live <= order.keys(), "the LRU heap names a block that is not cached"
+                assert block in live, f"unpinned leaf {block} is no eviction candidate"
+        assert live <= order.keys(), "an eviction candidate is not cached"
+        for block in range(len(self._ref)):
+            if block not in order:  # insert relies on blocks arriving blank
+                blank = (self._ref[block], self._children[block], self._held_children[block])
+                assert blank == (0, 0, 0), f"block {block} left the tree with links"
+                assert self._stamp[block] == _NOT_RELEASED, f"block {block} kept its stamp"
