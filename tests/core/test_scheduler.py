@@ -190,6 +190,19 @@ def test_watermark_holds_back_admission_while_others_run():
     assert big.output_token_ids == expected_output(range(100, 140), 1)
 
 
+def test_a_full_pool_does_not_count_cache_queries_for_waiting_requests():
+    driver = Driver(num_blocks=4)
+    driver.add("a", list(range(13)), max_tokens=3)  # 16 tokens: the whole pool
+    driver.add("b", list(range(100, 104)), max_tokens=1)
+    driver.step()
+    assert driver.kv.num_available_blocks == 0
+    driver.step()
+    assert driver.kv.stats.queries == 1  # only "a" was looked up so far
+    driver.run()
+    assert driver.kv.stats.queries == 2
+    driver.assert_nothing_leaked()
+
+
 def test_request_larger_than_the_pool_is_rejected_alone():
     driver = Driver(num_blocks=4)
     too_big = driver.add("big", list(range(10)), max_tokens=10)

@@ -209,6 +209,11 @@ class Scheduler:
 
     def _try_admit(self, request: Request, plan: _StepPlan) -> bool:
         """Match the cached prefix and allocate the first chunk, or change nothing."""
+        reserve = self.watermark_blocks if self.running else 0
+        if self.kv_cache.num_available_blocks - 1 < reserve:
+            # Even a full match leaves one block to allocate: skip the lookup, which
+            # would count as a cache query in the cache's statistics.
+            return False
         request_id = request.request_id
         matched = self.kv_cache.match_prefix(
             request_id, request.reusable_block_hashes(), request.num_tokens
@@ -216,10 +221,7 @@ class Scheduler:
         num_cached = matched * self.block_size
         num_new = min(request.num_tokens - num_cached, plan.budget)
         new_blocks = -(-(num_cached + num_new) // self.block_size) - matched
-        keeps_watermark = (
-            not self.running
-            or self.kv_cache.num_available_blocks - new_blocks >= self.watermark_blocks
-        )
+        keeps_watermark = self.kv_cache.num_available_blocks - new_blocks >= reserve
         if not (keeps_watermark and self.kv_cache.allocate_slots(request_id, num_cached + num_new)):
             self.kv_cache.free_request(request_id)
             return False
