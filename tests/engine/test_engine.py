@@ -130,6 +130,7 @@ def test_load_reports_the_queue_and_the_pool(engine):
         ([], greedy(), "prompt", "empty"),
         ([10, 10**6], greedy(), "prompt", "outside the vocabulary"),
         (PROMPT, "max_tokens=0", "max_tokens", "max_tokens"),
+        (PROMPT, greedy(stop_token_ids=[10**6]), "stop_token_ids", "vocabulary size"),
     ],
 )
 def test_bad_request_fails_alone(engine, prompt, params, param, message):

@@ -106,3 +106,10 @@ def test_per_row_parameters_in_one_batch():
     assert {p[0] for p in picks} == {0}
     assert {p[1] for p in picks} == {0, 1, 2, 3}
     assert {p[2] for p in picks} == {1}
+
+
+def test_any_integer_seed_is_accepted():
+    for seed in (-1, 2**64 + 5, -(2**70)):
+        row = seeded_row(seed)
+        assert 0 <= Sampler(CPU).sample(random_logits(1), [row])[0] < 50
+    assert seeded_generator(2**64 + 5, CPU).initial_seed() == 5

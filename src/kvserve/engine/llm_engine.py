@@ -101,6 +101,11 @@ class LLMEngine:
             raise InvalidRequestError(err.param, str(err)) from None
         if request_id in self._generations:
             raise InvalidRequestError("request_id", f"request id {request_id!r} is in use")
+        vocab_size = self.runner.config.vocab_size
+        if any(t >= vocab_size for t in params.stop_token_ids):
+            raise InvalidRequestError(
+                "stop_token_ids", f"stop_token_ids must be below the vocabulary size {vocab_size}"
+            )
         token_ids = self._prompt_token_ids(prompt)
         room = self.max_model_len - len(token_ids)
         if room < 1:

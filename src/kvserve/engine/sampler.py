@@ -25,8 +25,9 @@ class SamplingRow:
 
 
 def seeded_generator(seed: int, device: torch.device) -> torch.Generator:
+    """Any integer seed (clients send arbitrary ones); torch takes 64 bits."""
     generator = torch.Generator(device=device)
-    generator.manual_seed(seed)
+    generator.manual_seed(seed % 2**64)
     return generator
 
 
