@@ -56,7 +56,6 @@ class Request:
         self.num_committed_blocks = 0
         # Prompt tokens served from cache at first admission (what the client is told).
         self.num_cached_tokens: int | None = None
-        self.num_preemptions = 0
 
     def __repr__(self) -> str:
         return (

@@ -115,9 +115,6 @@ class Scheduler:
         self._requests[request.request_id] = request
         self.waiting.append(request)
 
-    def get(self, request_id: str) -> Request | None:
-        return self._requests.get(request_id)
-
     def finish(self, request: Request, reason: str) -> None:
         """Leave the batch and give every block back (cached ones stay in the tree)."""
         if request.status is RequestStatus.RUNNING:
@@ -181,7 +178,6 @@ class Scheduler:
         victim.status = RequestStatus.WAITING
         victim.num_computed_tokens = 0
         victim.num_committed_blocks = 0
-        victim.num_preemptions += 1
         self.stats.preemptions += 1
         bisect.insort(self.waiting, victim, key=_by_arrival)
         plan.preempted.append(victim)
