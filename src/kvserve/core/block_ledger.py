@@ -112,12 +112,12 @@ class BlockLedger:
 
     def hash_of(self, block: int) -> int:
         """The hash a cached block holds."""
-        self._require_cached(block)
+        self._require_cached((block,))
         return self._tree.hash_of(block)
 
     def parent_hash_of(self, block: int) -> int | None:
         """The hash of a cached block's parent (``None`` at the root)."""
-        self._require_cached(block)
+        self._require_cached((block,))
         return self._tree.parent_hash_of(block)
 
     def cached_block(self, block_hash: int) -> int | None:
@@ -234,17 +234,16 @@ class BlockLedger:
 
     def pin(self, blocks: Sequence[int]) -> None:
         """Add one pin to each cached block; all or nothing."""
-        for block in blocks:
-            self._require_cached(block)
+        self._require_cached(blocks)
         self._tree.pin(blocks)
 
     def unpin(self, blocks: Sequence[int]) -> None:
-        """Remove one pin from each cached block; all or nothing.
+        """Remove one pin from each cached block, in order; all or nothing.
 
-        A block losing its last pin counts as used now for LRU eviction.
+        A block losing its last pin counts as used now for LRU eviction (blocks released
+        by one call age in the order given).
         """
-        for block in blocks:
-            self._require_cached(block)
+        self._require_cached(blocks)
         self._tree.unpin(blocks)
 
     def evict(self, num_blocks: int) -> int:
@@ -293,9 +292,12 @@ class BlockLedger:
     def _not_owned(self, block: int, rule: str) -> NotOwnedError:
         return NotOwnedError(f"{self._describe(block)}: {rule}")
 
-    def _require_cached(self, block: int) -> None:
-        if not (self._exists(block) and self._state[block] == CACHED):
-            raise NotCachedError(f"{self._describe(block)}, not cached")
+    def _require_cached(self, blocks: Sequence[int]) -> None:
+        state = self._state
+        num_total = self.num_blocks
+        for block in blocks:
+            if not (0 <= block < num_total and state[block] == CACHED):
+                raise NotCachedError(f"{self._describe(block)}, not cached")
 
     # ---------------------------------------------------------------- invariants
 

@@ -129,21 +129,37 @@ class PrefixTree:
     # ---------------------------------------------------------------- pins
 
     def match(self, hashes: Sequence[int]) -> list[int]:
-        """Pin the longest cached prefix of ``hashes``; its blocks, root side first."""
+        """Pin the longest cached path of ``hashes``; its blocks, root side first.
+
+        Each block after the first must be the previous one's child, which chained hashes
+        guarantee; checking it keeps a match a path in the tree whatever the hashes, and
+        means a block that becomes held only has to tell its parent, held already.
+        """
         block_of = self._block_of
         ref = self._ref
+        parent = self._parent
         held_children = self._held_children
         matched: list[int] = []
         append = matched.append
+        previous = _NO_PARENT
+        newly_held = 0
         for block_hash in hashes:
             block = block_of.get(block_hash)
             if block is None:
                 break
-            count = ref[block]
-            ref[block] = count + 1
-            if not count and not held_children[block]:
-                self._become_held(block)
+            if previous == _NO_PARENT:
+                self.pin((block,))
+            elif parent[block] != previous:
+                break
+            else:
+                count = ref[block]
+                ref[block] = count + 1
+                if not count and not held_children[block]:
+                    newly_held += 1
+                    held_children[previous] += 1
             append(block)
+            previous = block
+        self.num_held += newly_held
         return matched
 
     def pin(self, blocks: Iterable[int]) -> None:
@@ -164,18 +180,21 @@ class PrefixTree:
         of eviction candidates.
         """
         ref = self._ref
+        parent = self._parent
         children = self._children
         held_children = self._held_children
         stamp = self._stamp
         queue = self._released.append
         shift = self._shift
         clock = self._clock
+        unheld = 0
         for done, block in enumerate(blocks):
             count = ref[block]
             if not count:
                 # Re-pinning restores the pins; the stamps given meanwhile are never read
                 # (a stamp counts only while unpinned) and the next release renews them.
                 self._clock = clock
+                self.num_held -= unheld
                 self.pin(blocks[:done])
                 raise NotPinnedError(f"block {block} is not pinned")
             ref[block] = count - 1
@@ -183,10 +202,18 @@ class PrefixTree:
                 clock += 1
                 stamp[block] = clock
                 if not held_children[block]:
-                    self._become_unheld(block)
+                    # No longer held: tell the parent, which usually is still pinned.
+                    unheld += 1
+                    up = parent[block]
+                    if up != _NO_PARENT:
+                        left = held_children[up] - 1
+                        held_children[up] = left
+                        if not left and not ref[up]:
+                            self._become_unheld(up)
                 if not children[block]:
                     queue((clock << shift) | block)
         self._clock = clock
+        self.num_held -= unheld
         if len(self._released) + len(self._exposed) > 2 * len(self._block_of) + _QUEUE_SLACK:
             self._compact_queues()
 
@@ -251,6 +278,12 @@ class PrefixTree:
                 raise NotCachedError(f"parent hash {parent_hash:#x} is not cached")
             parent_block = found
         existing = self.match(hashes[:num_cached])
+        if len(existing) < num_cached:
+            self._drop_pins(existing)
+            raise InconsistentChainError(
+                f"hash {hashes[len(existing)]:#x} (block {len(existing)} of the chain) is "
+                "cached under another prefix"
+            )
         if num_cached == len(hashes):
             return existing
         if existing:
@@ -269,8 +302,7 @@ class PrefixTree:
                 self._withdraw(blocks[first:i])
                 self._drop_pins(existing)
                 raise InconsistentChainError(
-                    f"hash {block_hash:#x} (block {i} of the chain) is already cached "
-                    "under another prefix"
+                    f"hash {block_hash:#x} (block {i} of the chain) is cached under another prefix"
                 )
             hash_[block] = block_hash
             parent[block] = up
