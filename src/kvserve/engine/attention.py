@@ -7,9 +7,10 @@ over K/V gathered by block tables. Grouping keeps a long prefill chunk from padd
 decode's query to its length; everything here is built once per step and reused by all
 layers, so no layer loops over sequences in Python.
 
-Grouped-query attention is folded rather than expanded: the query heads that share a KV
-head become extra query rows of that head (``[B, kv_heads, group * Q, D]``), so K/V are
-never repeated and a decode needs no transposes.
+For decodes, grouped-query attention is folded rather than expanded: the query heads that
+share a KV head become that head's query rows (``[B, kv_heads, group, D]``), so K/V are
+never repeated and no transposes are needed. Prefill chunks use SDPA's own GQA support,
+which keeps the mask at ``[B, 1, Q, K]`` instead of growing with the group size.
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ class SequenceSpan:
 class _Group:
     num_queries: int  # Q: padded query length of every sequence in the group
     block_tables: torch.Tensor  # [B, max_blocks], padded with block 0 (masked out)
-    masks: dict[int | None, torch.Tensor]  # window → additive [B, 1, group * Q or 1, K]
+    masks: dict[int | None, torch.Tensor]  # window → additive [B, 1, Q, K]
     # None when the group is the whole step in flat order with no padding (e.g. all
     # decodes): its queries and outputs are then plain views of the step's tensors.
     query_index: torch.Tensor | None  # [B * Q] flat token index of each padded query
@@ -64,7 +65,6 @@ class StepLayout:
         spans: Sequence[SequenceSpan],
         *,
         block_size: int,
-        query_group_size: int,
         windows: set[int | None],
         dtype: torch.dtype,
         device: torch.device,
@@ -98,7 +98,6 @@ class StepLayout:
                 num_queries=max(counts[i] for i in members),
                 num_blocks=max(used_blocks[i] for i in members),
                 block_size=block_size,
-                query_group_size=query_group_size,
                 windows=windows,
                 dtype=dtype,
             )
@@ -129,7 +128,6 @@ def _build_group(
     num_queries: int,
     num_blocks: int,
     block_size: int,
-    query_group_size: int,
     windows: set[int | None],
     dtype: torch.dtype,
 ) -> _Group:
@@ -144,18 +142,12 @@ def _build_group(
     clamped = torch.minimum(query_steps[None, :], num_new[:, None] - 1)  # [B, Q]
     key_pos = torch.arange(num_blocks * block_size, device=device)
     delta = (starts[:, None] + clamped)[:, :, None] - key_pos  # [B, Q, K]; >= 0 is causal
-    batch, keys = delta.shape[0], key_pos.shape[0]
     masks = {}
     for window in windows:
         blocked = (delta < 0) if window is None else (delta < 0) | (delta >= window)
         additive = torch.zeros(blocked.shape, dtype=dtype, device=device).masked_fill_(
             blocked, float("-inf")
-        )[:, None]  # [B, 1, Q, K]
-        if num_queries > 1:
-            # Rows are (query head within the KV group, query), matching the folded queries;
-            # a single query row broadcasts over the group as it is.
-            additive = additive[:, :, None].expand(batch, 1, query_group_size, num_queries, keys)
-            additive = additive.reshape(batch, 1, query_group_size * num_queries, keys)
+        )[:, None]  # [B, 1, Q, K], broadcast over heads
         masks[window] = additive
     padded = members is not None or bool((num_new < num_queries).any())
     query_index = valid = flat_valid_index = None
@@ -184,10 +176,8 @@ def paged_attention(
     """``q``: ``[T, num_heads, head_dim]`` for the step's new tokens, whose K/V are already
     in ``kv_pool`` (``[num_blocks, block_size, 2 * num_kv_heads, head_dim]``). Returns the
     attention output ``[T, num_heads, head_dim]``."""
-    num_tokens, num_heads, head_dim = q.shape
+    _, num_heads, head_dim = q.shape
     num_kv_heads = kv_pool.shape[2] // 2
-    group_size = num_heads // num_kv_heads
-    grouped_q = q.view(num_tokens, num_kv_heads, group_size, head_dim)
     out = None
     for group in layout.groups:
         batch, num_queries = group.block_tables.shape[0], group.num_queries
@@ -196,17 +186,19 @@ def paged_attention(
         kv = kv_pool.index_select(0, group.block_tables.view(-1))
         kv = kv.view(batch, -1, *kv_pool.shape[2:]).transpose(1, 2)  # [B, 2*KVH, K, D]
         keys, values = kv[:, :num_kv_heads], kv[:, num_kv_heads:]
-        queries = grouped_q if group.query_index is None else grouped_q[group.query_index]
-        queries = queries.view(batch, num_queries, num_kv_heads, group_size, head_dim)
-        queries = queries.permute(0, 2, 3, 1, 4).reshape(batch, num_kv_heads, -1, head_dim)
-        attended = F.scaled_dot_product_attention(
-            queries, keys, values, attn_mask=group.masks[window], scale=scale
-        )
-        attended = (
-            attended.view(batch, num_kv_heads, group_size, num_queries, head_dim)
-            .permute(0, 3, 1, 2, 4)
-            .reshape(batch * num_queries, num_heads, head_dim)
-        )
+        queries = q if group.query_index is None else q[group.query_index]
+        if num_queries == 1:
+            # Fold the query heads sharing a KV head into its query rows: [B, KVH, G, D].
+            queries = queries.view(batch, num_kv_heads, -1, head_dim)
+            attended = F.scaled_dot_product_attention(
+                queries, keys, values, attn_mask=group.masks[window], scale=scale
+            ).view(batch, num_heads, head_dim)
+        else:
+            queries = queries.view(batch, num_queries, num_heads, head_dim).transpose(1, 2)
+            attended = F.scaled_dot_product_attention(
+                queries, keys, values, attn_mask=group.masks[window], scale=scale, enable_gqa=True
+            )
+            attended = attended.transpose(1, 2).reshape(batch * num_queries, num_heads, head_dim)
         if group.query_index is None:
             return attended
         if out is None:

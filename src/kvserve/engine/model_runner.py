@@ -80,7 +80,6 @@ class ModelRunner:
         layout = StepLayout.build(
             spans,
             block_size=self.block_size,
-            query_group_size=self.config.num_heads // self.config.num_kv_heads,
             windows=self._windows,
             dtype=self.dtype,
             device=self.device,
