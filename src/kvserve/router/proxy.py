@@ -250,7 +250,8 @@ class Proxy:
 
     def _reject(self, status: int, message: str, code: str) -> web.Response:
         self._metrics.errors.labels("none", code).inc()
-        return openai_error(status, message, error_type="invalid_request_error", code=code)
+        error_type = "invalid_request_error" if status < 500 else "service_unavailable"
+        return openai_error(status, message, error_type=error_type, code=code)
 
     def _upstream_headers(self, request: web.Request) -> dict[str, str]:
         """The body parsed as JSON, so say so even when the client did not (``curl -d``)."""
