@@ -92,15 +92,14 @@ def main() -> None:
     parser.add_argument("--duration", type=float, default=4.0, help="seconds per throughput round")
     args = parser.parse_args()
 
-    upstream = start_foreign_server("fast", free_port())
-    routers = {
-        "kvserve": start_router([upstream.url], free_port(), "--policy", args.policy),
-        "sglang": start_sglang_router(upstream.url, free_port(), args.policy),
-    }
-    targets = {"direct": upstream.url} | {name: p.url for name, p in routers.items()}
-    latency: dict[str, list[float]] = {name: [] for name in targets}
-    throughput: dict[str, list[float]] = {name: [] for name in targets}
+    started: list[ServerProcess] = []
     try:
+        started.append(start_foreign_server("fast", free_port()))
+        started.append(start_router([started[0].url], free_port(), "--policy", args.policy))
+        started.append(start_sglang_router(started[0].url, free_port(), args.policy))
+        targets = dict(zip(("direct", "kvserve", "sglang"), (p.url for p in started), strict=True))
+        latency: dict[str, list[float]] = {name: [] for name in targets}
+        throughput: dict[str, list[float]] = {name: [] for name in targets}
         for url in targets.values():  # warm connections and the routers' trees
             asyncio.run(_latencies(url, 20))
         for round_index in range(args.rounds):
@@ -111,7 +110,7 @@ def main() -> None:
                 )
             print(f"round {round_index + 1}/{args.rounds} done", file=sys.stderr)
     finally:
-        for process in (*routers.values(), upstream):
+        for process in reversed(started):
             process.stop()
 
     direct_p50 = statistics.median(latency["direct"])
