@@ -39,13 +39,13 @@ class _Generation:
     request: Request
     detokenizer: IncrementalDetokenizer
     generator: torch.Generator | None
+    holdback: int  # trailing characters that may still turn into a stop string
     text: str = ""  # output text so far, stop string cut
-    num_sent_chars: int = 0  # of ``text``; the rest may still become a stop string
+    num_sent_chars: int = 0  # of ``text``
 
     def stream_cut(self, finished: bool) -> str:
         """The text not sent yet that can be sent now."""
-        stops = self.request.params.stop
-        end = len(self.text) if finished else len(self.text) - stop_holdback(stops)
+        end = len(self.text) if finished else len(self.text) - self.holdback
         if end <= self.num_sent_chars:
             return ""
         delta = self.text[self.num_sent_chars : end]
@@ -128,7 +128,7 @@ class LLMEngine:
         )
         self.scheduler.add(request)
         self._generations[request_id] = _Generation(
-            request, self.tokenizer.detokenizer(token_ids), generator
+            request, self.tokenizer.detokenizer(token_ids), generator, stop_holdback(params.stop)
         )
 
     def _prompt_token_ids(self, prompt: str | list[int]) -> list[int]:
