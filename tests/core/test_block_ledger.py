@@ -77,7 +77,7 @@ def test_freeing_twice_raises_double_free_and_rolls_back_the_call():
     with pytest.raises(DoubleFreeError, match=f"block {a} is already free"):
         ledger.free([b, c, a])
     assert state(ledger) == before
-    with pytest.raises(DoubleFreeError, match=f"block {b} is already free"):
+    with pytest.raises(DoubleFreeError, match=f"block {b} is freed twice in one call"):
         ledger.free([b, b])
     assert state(ledger) == before
     ledger.check()
@@ -86,7 +86,9 @@ def test_freeing_twice_raises_double_free_and_rolls_back_the_call():
 def test_freeing_a_cached_or_unknown_block_is_refused():
     ledger = BlockLedger(4, 1)
     _, (block,) = publish(ledger, [1])
-    with pytest.raises(NotOwnedError, match=f"block {block} is cached: only owned"):
+    with pytest.raises(
+        NotOwnedError, match=f"block {block} is cached: only owned blocks can be freed"
+    ):
         ledger.free([block])
     for missing in (-1, 4):
         with pytest.raises(NotOwnedError, match=f"block {missing} does not exist"):
@@ -117,7 +119,7 @@ def test_insert_refuses_blocks_it_does_not_own_and_unknown_parents():
     before = state(ledger)
     with pytest.raises(NotOwnedError, match=f"block {cached} is cached"):
         ledger.insert(chain([5, 6]), [owned[0], cached])
-    with pytest.raises(NotOwnedError, match=f"block {owned[0]} is cached"):
+    with pytest.raises(NotOwnedError, match=f"block {owned[0]} is published twice"):
         ledger.insert(chain([5, 6]), [owned[0], owned[0]])
     with pytest.raises(NotCachedError, match="parent hash"):
         ledger.insert(chain([5, 6])[1:], owned[:1], chain([5])[0])

@@ -2,7 +2,7 @@
 
 import pytest
 
-from kvserve.core.kv_cache_errors import NotCachedError, NotPinnedError
+from kvserve.core.kv_cache_errors import InconsistentChainError, NotCachedError, NotPinnedError
 from kvserve.core.prefix_tree import PrefixTree
 
 
@@ -95,3 +95,22 @@ def test_candidate_queue_of_a_hot_block_stays_bounded():
     assert len(tree._released) <= 2 * len(tree) + 64 + 1
     tree.check()
     assert tree.evict(1) == ([10], [0])
+
+
+def test_match_follows_tree_paths_only():
+    tree = PrefixTree(4)
+    grow(tree, [10], [0])
+    grow(tree, [20], [1])  # cached, but at the root, not under 10
+    assert tree.match([10, 20]) == [0]
+    tree.check()
+
+
+def test_insert_whose_cached_lead_is_not_a_path_changes_nothing():
+    tree = PrefixTree(4)
+    grow(tree, [10], [0])
+    grow(tree, [20], [1])
+    with pytest.raises(InconsistentChainError, match="block 1 of the chain"):
+        tree.insert([10, 20, 30], [2, 3, 3], 2)
+    assert [tree.ref_count(b) for b in (0, 1)] == [0, 0]
+    assert tree.num_reclaimable == 2
+    tree.check()

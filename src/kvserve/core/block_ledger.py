@@ -167,7 +167,7 @@ class BlockLedger:
         num_total = self.num_blocks
         for done, block in enumerate(blocks):
             if not (0 <= block < num_total and state[block] == OWNED):
-                error = self._free_error(block)
+                error = self._ownership_error(block, blocks[:done], "freed")
                 for undone in blocks[:done]:
                     state[undone] = OWNED
                 raise error
@@ -214,7 +214,7 @@ class BlockLedger:
         num_total = self.num_blocks
         for done, block in enumerate(new_blocks):
             if not (0 <= block < num_total and state[block] == OWNED):
-                error = self._not_owned(block, "only owned blocks can be published")
+                error = self._ownership_error(block, new_blocks[:done], "published")
                 for undone in new_blocks[:done]:
                     state[undone] = OWNED
                 raise error
@@ -284,13 +284,14 @@ class BlockLedger:
             return f"block {block} does not exist in tier {self.tier!r} of {self.num_blocks}"
         return f"block {block} is {_STATE_NAMES[self._state[block]]}"
 
-    def _free_error(self, block: int) -> KVCacheError:
-        if self._exists(block) and self._state[block] == FREE:
+    def _ownership_error(self, block: int, earlier: Sequence[int], action: str) -> KVCacheError:
+        """Why ``block`` cannot be freed or published (``earlier`` went first in the call)."""
+        if block in earlier:
+            error = DoubleFreeError if action == "freed" else NotOwnedError
+            return error(f"block {block} is {action} twice in one call")
+        if action == "freed" and self._exists(block) and self._state[block] == FREE:
             return DoubleFreeError(f"block {block} is already free")
-        return self._not_owned(block, "only owned blocks can be freed (unpin cached ones)")
-
-    def _not_owned(self, block: int, rule: str) -> NotOwnedError:
-        return NotOwnedError(f"{self._describe(block)}: {rule}")
+        return NotOwnedError(f"{self._describe(block)}: only owned blocks can be {action}")
 
     def _require_cached(self, blocks: Sequence[int]) -> None:
         state = self._state
