@@ -42,7 +42,8 @@ class SequenceSpan:
 class _Group:
     num_queries: int  # Q: padded query length of every sequence in the group
     block_tables: torch.Tensor  # [B, max_blocks], padded with block 0 (masked out)
-    masks: dict[int | None, torch.Tensor]  # window → additive [B, 1, Q, K]
+    # window → additive [B, 1, Q, K], or None where SDPA's is_causal says the same
+    masks: dict[int | None, torch.Tensor | None]
     # None when the group is the whole step in flat order with no padding (e.g. all
     # decodes): its queries and outputs are then plain views of the step's tensors.
     query_index: torch.Tensor | None  # [B * Q] flat token index of each padded query
@@ -97,6 +98,8 @@ class StepLayout:
                 None if len(members_of_groups) == 1 else members,
                 num_queries=max(counts[i] for i in members),
                 num_blocks=max(used_blocks[i] for i in members),
+                uniform=len({counts[i] for i in members}) == 1,
+                from_start=all(spans[i].start_pos == 0 for i in members),
                 block_size=block_size,
                 windows=windows,
                 dtype=dtype,
@@ -127,31 +130,37 @@ def _build_group(
     *,
     num_queries: int,
     num_blocks: int,
+    uniform: bool,
+    from_start: bool,
     block_size: int,
     windows: set[int | None],
     dtype: torch.dtype,
 ) -> _Group:
-    """``members`` None: the group is every sequence of the step, in order."""
+    """``members`` None: the group is every sequence of the step, in order. ``uniform``: all
+    have ``num_queries`` new tokens; ``from_start``: none has cached tokens."""
     tables, starts, num_new, offsets = step.tables, step.starts, step.num_new, step.offsets
     if members is not None:
         rows = torch.tensor(members, dtype=torch.long, device=tables.device)
         tables, starts, num_new, offsets = tables[rows], starts[rows], num_new[rows], offsets[rows]
     device = tables.device
+    num_keys = num_blocks * block_size
     query_steps = torch.arange(num_queries, device=device)
     # A pad query repeats its sequence's last token, so no mask row is empty.
     clamped = torch.minimum(query_steps[None, :], num_new[:, None] - 1)  # [B, Q]
-    key_pos = torch.arange(num_blocks * block_size, device=device)
-    delta = (starts[:, None] + clamped)[:, :, None] - key_pos  # [B, Q, K]; >= 0 is causal
-    masks = {}
+    masks: dict[int | None, torch.Tensor | None] = {}
     for window in windows:
+        if num_queries > 1 and uniform and from_start and (window is None or window >= num_keys):
+            # Plain causal attention from position 0: SDPA's is_causal (top-left aligned)
+            # masks the padding keys too, and skips the blocks above the diagonal.
+            masks[window] = None
+            continue
+        key_pos = torch.arange(num_keys, device=device)
+        delta = (starts[:, None] + clamped)[:, :, None] - key_pos  # [B, Q, K]; >= 0 is causal
         blocked = (delta < 0) if window is None else (delta < 0) | (delta >= window)
-        additive = torch.zeros(blocked.shape, dtype=dtype, device=device).masked_fill_(
-            blocked, float("-inf")
-        )[:, None]  # [B, 1, Q, K], broadcast over heads
-        masks[window] = additive
-    padded = members is not None or bool((num_new < num_queries).any())
+        additive = torch.zeros(blocked.shape, dtype=dtype, device=device)
+        masks[window] = additive.masked_fill_(blocked, float("-inf"))[:, None]  # [B, 1, Q, K]
     query_index = valid = flat_valid_index = None
-    if padded:
+    if members is not None or not uniform:
         query_index = (offsets[:, None] + clamped).view(-1)
         valid = (query_steps[None, :] < num_new[:, None]).view(-1)
         flat_valid_index = query_index[valid]
@@ -195,8 +204,15 @@ def paged_attention(
             ).view(batch, num_heads, head_dim)
         else:
             queries = queries.view(batch, num_queries, num_heads, head_dim).transpose(1, 2)
+            mask = group.masks[window]
             attended = F.scaled_dot_product_attention(
-                queries, keys, values, attn_mask=group.masks[window], scale=scale, enable_gqa=True
+                queries,
+                keys,
+                values,
+                attn_mask=mask,
+                is_causal=mask is None,
+                scale=scale,
+                enable_gqa=True,
             )
             attended = attended.transpose(1, 2).reshape(batch * num_queries, num_heads, head_dim)
         if group.query_index is None:

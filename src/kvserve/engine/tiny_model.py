@@ -215,7 +215,26 @@ _CHATML_TEMPLATE = """\
 {%- endif %}
 """
 
-_CHATML_SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+
+def _chatml_family(
+    architecture: str, model_type: str, *, num_layers: int, head_dim: int
+) -> _Family:
+    """Qwen's chat format and stops; tied embeddings as in the small Qwen checkpoints."""
+    return _Family(
+        architecture=architecture,
+        model_type=model_type,
+        special_tokens=("<|endoftext|>", "<|im_start|>", "<|im_end|>"),
+        bos=None,
+        eos="<|im_end|>",
+        extra_eos="<|endoftext|>",
+        chat_template=_CHATML_TEMPLATE,
+        num_layers=num_layers,
+        head_dim=head_dim,
+        tied=True,
+        rope={"rope_theta": 1000000.0},
+    )
+
+
 _FAMILIES = {
     "llama": _Family(
         architecture="LlamaForCausalLM",
@@ -245,32 +264,9 @@ _FAMILIES = {
             },
         },
     ),
-    "qwen2": _Family(
-        architecture="Qwen2ForCausalLM",
-        model_type="qwen2",
-        special_tokens=_CHATML_SPECIALS,
-        bos=None,
-        eos="<|im_end|>",
-        extra_eos="<|endoftext|>",
-        chat_template=_CHATML_TEMPLATE,
-        num_layers=2,
-        head_dim=16,
-        tied=True,
-        rope={"rope_theta": 1000000.0},
-    ),
-    "qwen3": _Family(
-        architecture="Qwen3ForCausalLM",
-        model_type="qwen3",
-        special_tokens=_CHATML_SPECIALS,
-        bos=None,
-        eos="<|im_end|>",
-        extra_eos="<|endoftext|>",
-        chat_template=_CHATML_TEMPLATE,
-        num_layers=3,
-        head_dim=32,  # Qwen3 decouples head_dim from hidden_size / heads
-        tied=True,
-        rope={"rope_theta": 1000000.0},
-    ),
+    "qwen2": _chatml_family("Qwen2ForCausalLM", "qwen2", num_layers=2, head_dim=16),
+    # Qwen3 decouples head_dim from hidden_size / heads.
+    "qwen3": _chatml_family("Qwen3ForCausalLM", "qwen3", num_layers=3, head_dim=32),
 }
 
 _HIDDEN = 64
