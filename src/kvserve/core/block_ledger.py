@@ -120,9 +120,6 @@ class BlockLedger:
         self._require_cached((block,))
         return self._tree.parent_hash_of(block)
 
-    def cached_block(self, block_hash: int) -> int | None:
-        return self._tree.block_of(block_hash)
-
     def cached_hashes(self) -> list[tuple[int, int | None]]:
         """``(hash, parent_hash)`` of every cached block, parents first."""
         return list(self._tree.items())
