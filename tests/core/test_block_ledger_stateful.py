@@ -22,7 +22,7 @@ from kvserve.core.kv_cache_errors import (
     NotPinnedError,
     OutOfBlocksError,
 )
-from kvserve.core.kv_events import EventLog
+from kvserve.core.kv_events import EventLog, apply_events
 
 NS = make_namespace("ledger-test")
 NUM_BLOCKS = 10
@@ -86,19 +86,8 @@ class LedgerMachine(RuleBasedStateMachine):
         events = self.events.since(self.seen_seq)
         if events:
             self.seen_seq = events[-1].seq
-        for event in events:
-            assert event.tier == "device"
-            if event.kind == "stored":
-                parent = event.parent_hash
-                for h in event.block_hashes:
-                    assert parent is None or parent in self.mirror, "stored under unknown parent"
-                    self.mirror[h] = parent
-                    parent = h
-            elif event.kind == "removed":
-                for h in event.block_hashes:
-                    del self.mirror[h]
-            else:
-                self.mirror.clear()
+        assert all(event.tier == "device" for event in events)
+        apply_events(self.mirror, events)
         return events
 
     def assert_nothing_changed(self):

@@ -5,7 +5,7 @@ import pytest
 from kvserve.core.hashing import block_hashes, make_namespace
 from kvserve.core.kv_cache_errors import RequestStateError
 from kvserve.core.kv_cache_manager import KVCacheManager
-from kvserve.core.kv_events import EventLog
+from kvserve.core.kv_events import EventLog, apply_events
 
 NS = make_namespace("manager-test")
 BS = 4
@@ -143,16 +143,9 @@ def test_snapshot_plus_later_events_rebuild_the_content():
     view = dict(blocks)
     run_prompt(kv, "b", [7, 7, 7, 7, 7])
     kv.evict(2)
-    for event in events.since(last_seq):
-        assert event.tier == "host"
-        if event.kind == "stored":
-            parent = event.parent_hash
-            for block_hash in event.block_hashes:
-                view[block_hash] = parent
-                parent = block_hash
-        else:
-            for block_hash in event.block_hashes:
-                del view[block_hash]
+    later = events.since(last_seq)
+    assert {event.tier for event in later} == {"host"}
+    apply_events(view, later)
     assert view == dict(kv.snapshot()[1])
     kv.free_request("b")
     kv.clear()

@@ -21,6 +21,7 @@ from hypothesis.stateful import (
 from kvserve.core.hashing import block_hashes, make_namespace
 from kvserve.core.kv_cache_errors import RequestStateError
 from kvserve.core.kv_cache_manager import KVCacheManager
+from kvserve.core.kv_events import apply_events
 
 NS = make_namespace("manager-machine")
 BS = 2
@@ -147,18 +148,8 @@ class ManagerMachine(RuleBasedStateMachine):
 
     def take_events(self):
         events = self.kv.events.since(self.seen_seq)
-        for event in events:
-            if event.kind == "stored":
-                parent = event.parent_hash
-                for h in event.block_hashes:
-                    self.mirror[h] = parent
-                    parent = h
-            elif event.kind == "removed":
-                for h in event.block_hashes:
-                    del self.mirror[h]
-            else:
-                self.mirror.clear()
-            self.seen_seq = event.seq
+        apply_events(self.mirror, events)
+        self.seen_seq = self.kv.events.last_seq
 
     @invariant()
     def consistent(self):

@@ -2,7 +2,7 @@ import dataclasses
 
 import pytest
 
-from kvserve.core.kv_events import EventGapError, EventLog
+from kvserve.core.kv_events import EventGapError, EventLog, apply_events
 
 
 def test_sequence_numbers_start_at_one_without_gaps():
@@ -53,3 +53,20 @@ def test_rejects_unknown_kind_and_empty_history():
     assert log.last_seq == 0
     with pytest.raises(ValueError, match="max_history"):
         EventLog(max_history=0)
+
+
+def test_apply_events_rebuilds_a_view_and_refuses_what_does_not_fit():
+    log = EventLog()
+    log.append("stored", "device", [1, 2, 3])
+    log.append("stored", "device", [4], 2)
+    log.append("removed", "device", [3, 4])
+    view: dict[int, int | None] = {}
+    apply_events(view, log.since(0))
+    assert view == {1: None, 2: 1}
+    log.append("cleared", "device", [])
+    apply_events(view, log.since(3))
+    assert view == {}
+    with pytest.raises(EventGapError, match="unknown"):
+        apply_events({}, [log.append("stored", "device", [6], 5)])
+    with pytest.raises(EventGapError, match="unknown"):
+        apply_events({}, [log.append("removed", "device", [7])])

@@ -160,15 +160,7 @@ class BlockLedger:
 
     def free(self, blocks: Sequence[int]) -> None:
         """Return owned blocks to the pool; all or nothing."""
-        state = self._state
-        num_total = self.num_blocks
-        for done, block in enumerate(blocks):
-            if not (0 <= block < num_total and state[block] == OWNED):
-                error = self._ownership_error(block, blocks[:done], "freed")
-                for undone in blocks[:done]:
-                    state[undone] = OWNED
-                raise error
-            state[block] = FREE
+        self._move_owned(blocks, FREE, "freed")
         self._pool.extend(blocks)
 
     # ---------------------------------------------------------------- cached blocks
@@ -207,18 +199,11 @@ class BlockLedger:
         tree = self._tree
         num_cached = tree.cached_prefix_len(hashes)
         new_blocks = blocks[num_cached:]
-        state = self._state
-        num_total = self.num_blocks
-        for done, block in enumerate(new_blocks):
-            if not (0 <= block < num_total and state[block] == OWNED):
-                error = self._ownership_error(block, new_blocks[:done], "published")
-                for undone in new_blocks[:done]:
-                    state[undone] = OWNED
-                raise error
-            state[block] = CACHED
+        self._move_owned(new_blocks, CACHED, "published")
         try:
             existing = tree.insert(hashes, blocks, num_cached, parent_hash)
         except Exception:
+            state = self._state
             for block in new_blocks:
                 state[block] = OWNED
             raise
@@ -280,6 +265,18 @@ class BlockLedger:
         if not self._exists(block):
             return f"block {block} does not exist in tier {self.tier!r} of {self.num_blocks}"
         return f"block {block} is {_STATE_NAMES[self._state[block]]}"
+
+    def _move_owned(self, blocks: Sequence[int], to_state: int, action: str) -> None:
+        """Move owned blocks to ``to_state``; all or nothing, with the first misfit named."""
+        state = self._state
+        num_total = self.num_blocks
+        for done, block in enumerate(blocks):
+            if not (0 <= block < num_total and state[block] == OWNED):
+                error = self._ownership_error(block, blocks[:done], action)
+                for undone in blocks[:done]:
+                    state[undone] = OWNED
+                raise error
+            state[block] = to_state
 
     def _ownership_error(self, block: int, earlier: Sequence[int], action: str) -> KVCacheError:
         """Why ``block`` cannot be freed or published (``earlier`` went first in the call)."""

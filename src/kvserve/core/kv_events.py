@@ -11,7 +11,7 @@ talks to a restarted log) to resynchronise from a snapshot by raising
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from itertools import islice
 from typing import Literal
@@ -19,6 +19,7 @@ from typing import Literal
 EventKind = Literal["stored", "removed", "cleared"]
 EVENT_KINDS: frozenset[str] = frozenset(("stored", "removed", "cleared"))
 DEFAULT_HISTORY = 10_000
+_MISSING = object()
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,3 +88,27 @@ class EventLog:
                 "from a snapshot"
             )
         return list(islice(self._history, seq + 1 - oldest, None))
+
+
+def apply_events(view: dict[int, int | None], events: Iterable[KVEvent]) -> None:
+    """Bring a subscriber's view of one tier (``hash -> parent hash``) up to date.
+
+    Start from a snapshot's blocks (``dict(blocks)``) and apply the events after its
+    sequence number, in order. An event that does not fit the view (a chain stored under
+    a parent it lacks, a removal of a block it lacks) means the view missed something:
+    :class:`EventGapError`, and the view must be rebuilt from a snapshot.
+    """
+    for event in events:
+        if event.kind == "stored":
+            parent = event.parent_hash
+            if parent is not None and parent not in view:
+                raise EventGapError(f"event {event.seq} stores under unknown {parent:#x}")
+            for block_hash in event.block_hashes:
+                view[block_hash] = parent
+                parent = block_hash
+        elif event.kind == "removed":
+            for block_hash in event.block_hashes:
+                if view.pop(block_hash, _MISSING) is _MISSING:
+                    raise EventGapError(f"event {event.seq} removes unknown {block_hash:#x}")
+        else:
+            view.clear()
