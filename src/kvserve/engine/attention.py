@@ -42,6 +42,8 @@ class SequenceSpan:
 class _Group:
     num_queries: int  # Q: padded query length of every sequence in the group
     block_tables: torch.Tensor  # [B, max_blocks], padded with block 0 (masked out)
+    # Where each layer gathers the group's K/V blocks: allocated once per step, not per layer.
+    kv_scratch: torch.Tensor  # [B * max_blocks, *kv_block_shape]
     # window → additive [B, 1, Q, K], or None where SDPA's is_causal says the same
     masks: dict[int | None, torch.Tensor | None]
     # None when the group is the whole step in flat order with no padding (e.g. all
@@ -66,28 +68,39 @@ class StepLayout:
         spans: Sequence[SequenceSpan],
         *,
         block_size: int,
+        kv_block_shape: tuple[int, ...],
         windows: set[int | None],
         dtype: torch.dtype,
         device: torch.device,
     ) -> StepLayout:
-        """Python touches each sequence once (to pad its block table); per-token work is
-        done by tensor ops, so a long prefill chunk costs no Python loop."""
+        """Python touches each sequence once and each of its blocks once, never each token:
+        positions and slots are appended a block's run at a time."""
         counts = [span.num_new for span in spans]
         used_blocks = [-(-(span.start_pos + span.num_new) // block_size) for span in spans]
         width = max(used_blocks)
-        padded_tables = array("q")
+        padded_tables, positions, slots = array("q"), array("q"), array("q")
+        per_sequence = array("q", [span.start_pos for span in spans] + counts)
+        offset = 0
         for span, used in zip(spans, used_blocks, strict=True):
-            padded_tables.extend(span.block_table[:used])
-            padded_tables.extend([0] * (width - used))
+            table, start = span.block_table, span.start_pos
+            padded_tables.extend(table[:used])
+            if used < width:
+                padded_tables.frombytes(bytes(8 * (width - used)))  # int64 zeros
+            if span.num_new == 1:  # the common decode case, without the block loop
+                positions.append(start)
+                slots.append(table[start // block_size] * block_size + start % block_size)
+            else:
+                end = start + span.num_new
+                positions.extend(range(start, end))
+                for block_index in range(start // block_size, used):
+                    first = max(start, block_index * block_size)
+                    last = min(end, (block_index + 1) * block_size)
+                    base = (table[block_index] - block_index) * block_size
+                    slots.extend(range(base + first, base + last))
+            per_sequence.append(offset)
+            offset += span.num_new
         tables = long_tensor(padded_tables, device).view(len(spans), width)
-        starts, num_new = long_tensor(
-            array("q", [span.start_pos for span in spans] + counts), device
-        ).view(2, -1)
-        offsets = num_new.cumsum(0) - num_new
-        seq = torch.repeat_interleave(num_new, output_size=sum(counts))  # sequence of each token
-        token_index = torch.arange(sum(counts), device=device)
-        positions = starts[seq] + token_index - offsets[seq]
-        slots = tables[seq, positions // block_size] * block_size + positions % block_size
+        starts, num_new, offsets = long_tensor(per_sequence, device).view(3, -1)
         step = _StepTensors(tables, starts, num_new, offsets)
         decode = [i for i, count in enumerate(counts) if count == 1]
         prefill = [i for i, count in enumerate(counts) if count > 1]
@@ -101,14 +114,15 @@ class StepLayout:
                 uniform=len({counts[i] for i in members}) == 1,
                 from_start=all(spans[i].start_pos == 0 for i in members),
                 block_size=block_size,
+                kv_block_shape=kv_block_shape,
                 windows=windows,
                 dtype=dtype,
             )
             for members in members_of_groups
         )
         return cls(
-            positions=positions,
-            slots=slots,
+            positions=long_tensor(positions, device),
+            slots=long_tensor(slots, device),
             last_token_index=offsets + num_new - 1,
             groups=groups,
         )
@@ -133,6 +147,7 @@ def _build_group(
     uniform: bool,
     from_start: bool,
     block_size: int,
+    kv_block_shape: tuple[int, ...],
     windows: set[int | None],
     dtype: torch.dtype,
 ) -> _Group:
@@ -167,6 +182,9 @@ def _build_group(
     return _Group(
         num_queries=num_queries,
         block_tables=tables[:, :num_blocks].contiguous(),
+        kv_scratch=torch.empty(
+            (tables.shape[0] * num_blocks, *kv_block_shape), dtype=dtype, device=device
+        ),
         masks=masks,
         query_index=query_index,
         valid=valid,
@@ -192,7 +210,7 @@ def paged_attention(
         batch, num_queries = group.block_tables.shape[0], group.num_queries
         # index_select on the flat block axis is a row copy; advanced indexing of the 4-D
         # pool is several times slower, and this gather is the step's largest cost.
-        kv = kv_pool.index_select(0, group.block_tables.view(-1))
+        kv = torch.index_select(kv_pool, 0, group.block_tables.view(-1), out=group.kv_scratch)
         kv = kv.view(batch, -1, *kv_pool.shape[2:]).transpose(1, 2)  # [B, 2*KVH, K, D]
         keys, values = kv[:, :num_kv_heads], kv[:, num_kv_heads:]
         queries = q if group.query_index is None else q[group.query_index]

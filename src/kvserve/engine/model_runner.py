@@ -80,6 +80,7 @@ class ModelRunner:
         layout = StepLayout.build(
             spans,
             block_size=self.block_size,
+            kv_block_shape=self.kv_pool.layer(0).shape[1:],
             windows=self._windows,
             dtype=self.dtype,
             device=self.device,
