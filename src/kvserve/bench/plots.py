@@ -66,13 +66,16 @@ def plot_ttft_cdf(runs: Runs, path: Path) -> None:
 
 def plot_over_time(runs: Runs, path: Path) -> None:
     fig, (hit_ax, tput_ax) = plt.subplots(2, 1, figsize=(8, 6), sharex=True, layout="constrained")
+    top_hit = 0.0
     for run in runs:
         series = time_series(run.records, run.summary["duration_s"])
         centers = np.asarray(series.starts_s) + series.bin_s / 2
         hits = np.array([np.nan if h is None else h for h in series.hit_rate], dtype=float)
         (line,) = hit_ax.plot(centers, hits, marker=".", label=run.label)
+        top_hit = max(top_hit, float(np.nanmax(hits, initial=0.0)))
         tput_ax.plot(centers, series.output_tokens_per_s, marker=".", color=line.get_color())
-    hit_ax.set_ylim(0, 1.02)
+    # Zoom in on low hit rates, but never past the meaningful [0, 1].
+    hit_ax.set_ylim(0, min(1.02, max(0.1, round_up_125(top_hit * 1.1) if top_hit else 0.1)))
     hit_ax.set_ylabel("prefix hit rate\n(cached / prompt tokens)")
     fig.suptitle("Prefix hit rate and output throughput, by completion time")
     tput_ax.set_ylabel("output throughput (tokens/s)")
