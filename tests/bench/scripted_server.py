@@ -14,6 +14,7 @@ from collections.abc import Sequence
 
 import orjson
 from aiohttp import web
+
 from tests.support.foreign_openai_server import ForeignServer
 from tests.support.ports import free_port
 

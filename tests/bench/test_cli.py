@@ -9,12 +9,13 @@ import signal
 import sys
 from pathlib import Path
 
-from tests.bench.scripted_server import ScriptedServer
-from tests.support.ports import free_port
-from tests.support.processes import KVSERVE, REPO_ROOT
 from typer.testing import CliRunner
 
 from kvserve.cli import app
+from kvserve.router.local_fleet import KVSERVE_COMMAND
+from tests.bench.scripted_server import ScriptedServer
+from tests.support.ports import free_port
+from tests.support.processes import REPO_ROOT
 
 MOONCAKE = REPO_ROOT / "tests/fixtures/mooncake_small.jsonl"
 PLOTS = ("ttft_cdf.png", "hit_rate_throughput.png", "requests_per_worker.png")
@@ -22,7 +23,7 @@ PLOTS = ("ttft_cdf.png", "hit_rate_throughput.png", "requests_per_worker.png")
 
 async def kvserve(*args: str) -> asyncio.subprocess.Process:
     return await asyncio.create_subprocess_exec(
-        *KVSERVE,
+        *KVSERVE_COMMAND,
         *args,
         cwd=REPO_ROOT,
         stdout=asyncio.subprocess.PIPE,

@@ -6,12 +6,12 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from tests.bench.scripted_server import ScriptedServer
-from tests.support.ports import free_port
 
 from kvserve.bench.loadgen import LoadConfig, LoadGenerator
 from kvserve.bench.metrics import summarize
 from kvserve.bench.workloads import RequestSpec
+from tests.bench.scripted_server import ScriptedServer
+from tests.support.ports import free_port
 
 SHARED = "the same long preamble for every prompt " * 4  # over one block of the server
 
