@@ -152,3 +152,15 @@ async def test_duration_stops_issuing() -> None:
 def test_bad_pacing_is_refused(overrides: dict) -> None:
     with pytest.raises(ValueError):
         LoadConfig(endpoint="http://x", model="m", **overrides)
+
+
+async def test_a_bug_in_a_callback_surfaces_instead_of_vanishing() -> None:
+    class BrokenProgress:
+        def record(self, record) -> None:
+            raise RuntimeError("progress sink broke")
+
+        def item_done(self) -> None: ...
+
+    async with ScriptedServer() as server:
+        with pytest.raises(RuntimeError, match="progress sink broke"):
+            await LoadGenerator(config(server.url), BrokenProgress()).run(prompts(2))

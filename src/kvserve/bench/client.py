@@ -89,7 +89,7 @@ async def stream_request(
         record.error = f"stream cut: {exc or type(exc).__name__}"
     except TimeoutError:
         record.error = "timeout: no complete response within the request timeout"
-    except (aiohttp.ClientError, orjson.JSONDecodeError) as exc:
+    except (aiohttp.ClientError, ValueError) as exc:  # ValueError: bad JSON, overlong line
         record.error = f"{type(exc).__name__}: {exc}"
     finally:
         record.e2e_s = time.perf_counter() - started

@@ -95,7 +95,11 @@ class LoadGenerator:
                 await self._open_loop(session, specs)
             else:
                 await self._closed_loop(session, specs)
-            await asyncio.gather(*self._tasks, return_exceptions=True)
+            outcomes = await asyncio.gather(*self._tasks, return_exceptions=True)
+        # Cancelled tasks are the interrupt at work; any other exception is a bug to show.
+        for result in outcomes:
+            if isinstance(result, Exception):
+                raise result
         duration = time.perf_counter() - self._t0
         if self._interrupted:
             stopped_by = "interrupted"

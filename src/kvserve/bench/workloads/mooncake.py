@@ -12,7 +12,7 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvserve.bench.workloads.base import RequestSpec, Workload
+from kvserve.bench.workloads.base import Prompt, RequestSpec, Workload
 from kvserve.bench.workloads.content import ContentMaker
 
 TRACE_BLOCK_TOKENS = 512
@@ -74,7 +74,7 @@ def load(
     return Workload(name, timed=True, size=len(rows), requests=map(to_spec, rows))
 
 
-def prompt_for(row: MooncakeRow, maker: ContentMaker, block_tokens: int):
+def prompt_for(row: MooncakeRow, maker: ContentMaker, block_tokens: int) -> Prompt:
     """Full blocks for every hash id but the last, which holds the rest of the input."""
     if not row.hash_ids:
         raise ValueError("a Mooncake row needs at least one hash id")
