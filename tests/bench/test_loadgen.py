@@ -145,6 +145,12 @@ async def test_duration_stops_issuing() -> None:
     assert 4 <= len(outcome.records) <= 8
 
 
+async def test_a_run_that_ends_before_its_duration_completed() -> None:
+    async with ScriptedServer() as server:
+        outcome = await LoadGenerator(config(server.url, duration_s=30.0)).run(prompts(2))
+    assert outcome.stopped_by == "completed" and len(outcome.records) == 2
+
+
 @pytest.mark.parametrize(
     "overrides",
     [{"concurrency": 2, "rate": 1.0}, {"concurrency": 0}, {"rate": -1.0}, {"time_scale": 0.0}],

@@ -14,7 +14,7 @@ import asyncio
 import contextlib
 import random
 import time
-from collections.abc import Iterable
+from collections.abc import Coroutine, Iterable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -70,6 +70,7 @@ class LoadGenerator:
         self.records: list[RequestRecord] = []
         self._stop = asyncio.Event()
         self._interrupted = False
+        self._cut_by_duration = False  # some request was left unsent at the deadline
         self._abandoned = 0
         self._tasks: set[asyncio.Task] = set()
         self._t0 = 0.0
@@ -103,7 +104,7 @@ class LoadGenerator:
         duration = time.perf_counter() - self._t0
         if self._interrupted:
             stopped_by = "interrupted"
-        elif self.config.duration_s is not None and duration >= self.config.duration_s:
+        elif self._cut_by_duration:
             stopped_by = "duration"
         else:
             stopped_by = "completed"
@@ -113,8 +114,14 @@ class LoadGenerator:
         return time.perf_counter() - self._t0
 
     def _issuing(self) -> bool:
+        """Whether the next request may go; called only when one is waiting to."""
+        if self._stop.is_set():
+            return False
         deadline = self.config.duration_s
-        return not self._stop.is_set() and (deadline is None or self._now() < deadline)
+        if deadline is not None and self._now() >= deadline:
+            self._cut_by_duration = True
+            return False
+        return True
 
     async def _wait_until(self, due_s: float) -> bool:
         """Sleep until ``due_s`` (run time); False if stopped or past the duration first."""
@@ -151,7 +158,7 @@ class LoadGenerator:
         for _ in range(self.config.concurrency or 1):
             self._spawn(user())
 
-    def _spawn(self, coro) -> None:
+    def _spawn(self, coro: Coroutine[None, None, None]) -> None:
         task = asyncio.create_task(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
