@@ -30,6 +30,7 @@ _COMMAND_MODULES = [
     "bench",
     "router",
     "up",
+    "simulate",
 ]
 
 for _name in _COMMAND_MODULES:

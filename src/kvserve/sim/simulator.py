@@ -1,0 +1,240 @@
+"""The discrete-event loop: a trace's arrivals and the workers' step ends, in virtual time.
+
+Everything that decides is the servers' own code: per worker a
+:class:`~kvserve.core.kv_cache_manager.KVCacheManager` and the core scheduler, and the
+router's routing logic; a :class:`~kvserve.core.cost_model.CostModel` stands in for the
+GPU. Events are kept in a heap; arrivals are already sorted and are merged in from the
+trace, and a worker's steps run back to back while it has work.
+
+``global`` is the reference ceiling: N schedulers (N GPUs) over one shared cache of N×T
+tokens, so every request finds every prefix ever computed and still in that cache; with
+it, routing has only load to decide.
+"""
+
+from __future__ import annotations
+
+import heapq
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from kvserve.core.cost_model import CostModel
+from kvserve.core.hashing import make_namespace
+from kvserve.core.kv_cache_manager import KVCacheManager
+from kvserve.core.request import Request
+from kvserve.core.routing.cache_aware import CacheAwareConfig
+from kvserve.core.routing.kv_aware import KvAwareConfig
+from kvserve.core.routing.types import WorkerLoad
+from kvserve.core.sampling_params import SamplingParams
+from kvserve.core.scheduler import SchedulerConfig
+from kvserve.sim.routing import (
+    CacheAware,
+    KvAware,
+    LeastLoaded,
+    RandomChoice,
+    RoundRobin,
+    SimPolicy,
+)
+from kvserve.sim.trace import BLOCK_TOKENS, TraceRequest
+from kvserve.sim.worker import SimWorker
+
+POLICIES = ("round_robin", "random", "least_loaded", "cache_aware", "kv_aware", "global")
+_NAMESPACE = make_namespace("sim")
+
+
+@dataclass(frozen=True, slots=True)
+class SimConfig:
+    num_workers: int
+    cache_tokens: int  # per worker
+    cost: CostModel
+    max_num_batched_tokens: int = 8192
+    max_num_seqs: int = 256
+    seed: int = 0
+    kv_aware: KvAwareConfig = field(default_factory=KvAwareConfig)
+    cache_aware: CacheAwareConfig = field(default_factory=CacheAwareConfig)
+
+    def __post_init__(self) -> None:
+        if self.num_workers < 1:
+            raise ValueError("num_workers must be >= 1")
+        if self.cache_tokens < BLOCK_TOKENS:
+            raise ValueError(f"cache_tokens must hold at least one {BLOCK_TOKENS}-token block")
+
+    @property
+    def blocks_per_worker(self) -> int:
+        return self.cache_tokens // BLOCK_TOKENS
+
+
+@dataclass(frozen=True, slots=True)
+class RequestRecord:
+    arrival_s: float
+    first_token_s: float | None  # None: rejected (longer than a worker's whole cache)
+    finish_s: float | None
+    worker_id: str
+    prompt_tokens: int
+    cached_tokens: int
+    output_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class SimResult:
+    policy: str
+    records: list[RequestRecord]
+    computed_tokens: dict[str, int]  # per worker, recomputation included
+    busy_s: dict[str, float]
+    preemptions: int
+    wall_s: float
+
+
+def make_policy(name: str, config: SimConfig) -> SimPolicy:
+    factories: dict[str, Callable[[], SimPolicy]] = {
+        "round_robin": RoundRobin,
+        "random": lambda: RandomChoice(config.seed),
+        "least_loaded": LeastLoaded,
+        "global": LeastLoaded,
+        "cache_aware": lambda: CacheAware(config.cache_aware, 0.0),
+        "kv_aware": lambda: KvAware(config.kv_aware, BLOCK_TOKENS),
+    }
+    if name not in factories:
+        raise ValueError(f"unknown policy {name!r}; choose from {POLICIES}")
+    return factories[name]()
+
+
+class _Loads:
+    """The router's own accounting, as its load guards keep it."""
+
+    def __init__(self, worker_ids: Sequence[str]) -> None:
+        self.requests = dict.fromkeys(worker_ids, 0)
+        self.prefill_tokens = dict.fromkeys(worker_ids, 0)
+
+    def snapshot(self) -> list[WorkerLoad]:
+        return [WorkerLoad(w, n, self.prefill_tokens[w]) for w, n in self.requests.items()]
+
+
+class Simulation:
+    def __init__(self, policy_name: str, config: SimConfig) -> None:
+        self.policy_name = policy_name
+        self.config = config
+        self.policy = make_policy(policy_name, config)
+        scheduler_config = SchedulerConfig(config.max_num_batched_tokens, config.max_num_seqs)
+        ids = [f"w{i}" for i in range(config.num_workers)]
+        if policy_name == "global":
+            shared = KVCacheManager(config.blocks_per_worker * config.num_workers, BLOCK_TOKENS)
+            caches = [shared] * config.num_workers
+        else:
+            caches = [KVCacheManager(config.blocks_per_worker, BLOCK_TOKENS) for _ in ids]
+        self.workers = {
+            w: SimWorker(w, cache, config.cost, scheduler_config)
+            for w, cache in zip(ids, caches, strict=True)
+        }
+        self._shared_cache = policy_name == "global"
+        self._loads = _Loads(ids)
+        self._steps: list[tuple[float, int, str]] = []  # (end time, order, worker)
+        self._order = 0
+        self._arrivals: dict[str, float] = {}
+        self._first_tokens: dict[str, float] = {}
+        self._served_by: dict[str, str] = {}
+        self.records: list[RequestRecord] = []
+
+    def run(
+        self, trace: Sequence[TraceRequest], progress: Callable[[int], None] | None = None
+    ) -> SimResult:
+        started = time.perf_counter()
+        next_arrival = 0
+        while next_arrival < len(trace) or self._steps:
+            arrival_time = trace[next_arrival].arrival_s if next_arrival < len(trace) else None
+            if self._steps and (arrival_time is None or self._steps[0][0] <= arrival_time):
+                now, _, worker_id = heapq.heappop(self._steps)
+                self._end_step(self.workers[worker_id], now, trace, next_arrival)
+            else:
+                assert arrival_time is not None
+                next_arrival += 1
+                self._arrive(trace[next_arrival - 1], arrival_time, trace, next_arrival)
+                if progress is not None:
+                    progress(next_arrival)
+        return SimResult(
+            policy=self.policy_name,
+            records=self.records,
+            computed_tokens={
+                w: worker.scheduler.stats.computed_tokens for w, worker in self.workers.items()
+            },
+            busy_s={w: worker.busy_s for w, worker in self.workers.items()},
+            preemptions=sum(w.scheduler.stats.preemptions for w in self.workers.values()),
+            wall_s=time.perf_counter() - started,
+        )
+
+    def _horizon(self, trace: Sequence[TraceRequest], next_arrival: int) -> float:
+        return trace[next_arrival].arrival_s if next_arrival < len(trace) else float("inf")
+
+    def _arrive(
+        self, spec: TraceRequest, now: float, trace: Sequence[TraceRequest], next_arrival: int
+    ) -> None:
+        request = Request(
+            spec.request_id,
+            spec.prompt_token_ids(),
+            SamplingParams(max_tokens=spec.output_tokens),
+            max_tokens=spec.output_tokens,
+            namespace=_NAMESPACE,
+            block_size=BLOCK_TOKENS,
+        )
+        worker_id = self.policy.route(request, spec.hash_ids, self._loads.snapshot(), now)
+        self._loads.requests[worker_id] += 1
+        self._loads.prefill_tokens[worker_id] += request.num_prompt_tokens
+        self._arrivals[spec.request_id] = now
+        self._served_by[spec.request_id] = worker_id
+        worker = self.workers[worker_id]
+        worker.add(request)
+        if worker.busy_until is None:
+            self._start(worker, now, self._horizon(trace, next_arrival))
+
+    def _start(self, worker: SimWorker, now: float, horizon: float) -> None:
+        duration = worker.start_step(now, horizon)
+        if duration is not None:
+            heapq.heappush(self._steps, (now + duration, self._order, worker.worker_id))
+            self._order += 1
+
+    def _end_step(
+        self, worker: SimWorker, now: float, trace: Sequence[TraceRequest], next_arrival: int
+    ) -> None:
+        result = worker.finish_step()
+        for request in result.first_tokens:
+            self._first_tokens[request.request_id] = now
+            self._loads.prefill_tokens[worker.worker_id] -= request.num_prompt_tokens
+        for request in result.finished:
+            self._record(request, now)
+        if not self._shared_cache:
+            self.policy.observe(worker.worker_id, worker.new_events())
+        horizon = self._horizon(trace, next_arrival)
+        # With one shared cache a worker may have waited for blocks another one freed.
+        waiting = self.workers.values() if self._shared_cache else (worker,)
+        for candidate in waiting:
+            if candidate.busy_until is None and candidate.has_work:
+                self._start(candidate, now, horizon)
+
+    def _record(self, request: Request, now: float) -> None:
+        request_id = request.request_id
+        worker_id = self._served_by.pop(request_id)
+        first = self._first_tokens.pop(request_id, None)
+        self._loads.requests[worker_id] -= 1
+        if first is None:  # rejected before running: its prompt never became a first token
+            self._loads.prefill_tokens[worker_id] -= request.num_prompt_tokens
+        self.records.append(
+            RequestRecord(
+                arrival_s=self._arrivals.pop(request_id),
+                first_token_s=first,
+                finish_s=now if first is not None else None,
+                worker_id=worker_id,
+                prompt_tokens=request.num_prompt_tokens,
+                cached_tokens=request.num_cached_tokens or 0,
+                output_tokens=request.num_output_tokens,
+            )
+        )
+
+
+def simulate(
+    trace: Sequence[TraceRequest],
+    policy: str,
+    config: SimConfig,
+    progress: Callable[[int], None] | None = None,
+) -> SimResult:
+    """Replay ``trace`` on a fleet routed by ``policy``; see :data:`POLICIES`."""
+    return Simulation(policy, config).run(trace, progress)

@@ -1,0 +1,107 @@
+"""The global block index follows the workers' KV events exactly."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from kvserve.core.hashing import block_hashes, make_namespace
+from kvserve.core.kv_cache_manager import KVCacheManager
+from kvserve.core.kv_events import KVEvent
+from kvserve.core.routing.kv_index import KVBlockIndex
+
+NAMESPACE = make_namespace("m")
+
+
+def stored(seq: int, hashes: list[int], parent: int | None = None, tier: str = "device"):
+    return KVEvent(seq, "stored", tier, tuple(hashes), parent)
+
+
+def test_stored_removed_cleared_per_tier() -> None:
+    index = KVBlockIndex()
+    index.apply("w0", stored(1, [1, 2, 3]))
+    index.apply("w0", stored(2, [1, 2], tier="host"))
+    index.apply("w1", stored(1, [1]))
+    match = index.match([1, 2, 3, 4], ["w0", "w1", "w2"], now=0.0)
+    assert match["w0"].blocks_by_tier["device"] == 3
+    assert match["w1"].num_blocks == 1
+    assert match["w2"].num_blocks == 0
+
+    index.apply("w0", KVEvent(3, "removed", "device", (2, 3)))
+    match = index.match([1, 2, 3], ["w0"], now=0.0)["w0"]
+    assert match.blocks_by_tier == {"device": 1, "host": 1, "storage": 0}  # 2 lives on in host
+
+    index.apply("w0", KVEvent(4, "cleared", "host", ()))
+    assert index.match([1, 2, 3], ["w0"], now=0.0)["w0"].num_blocks == 1
+    assert index.num_blocks("w0", "host") == 0
+
+
+def test_unknown_tier_is_refused() -> None:
+    with pytest.raises(ValueError, match="unknown KV tier"):
+        KVBlockIndex().apply("w0", stored(1, [1], tier="gpu9"))
+
+
+def test_worker_removal_forgets_everything() -> None:
+    index = KVBlockIndex()
+    index.apply("w0", stored(1, [1, 2]))
+    index.apply("w0", stored(2, [1], tier="host"))
+    index.speculate("w0", [1, 2, 3], deadline=10.0)
+    index.apply("w1", stored(1, [1, 2]))
+    index.remove_worker("w0")
+    assert index.match([1, 2, 3], ["w0"], now=0.0)["w0"].num_blocks == 0
+    assert index.num_speculative("w0") == 0
+    assert index.match([1, 2], ["w1"], now=0.0)["w1"].num_blocks == 2
+
+
+def test_snapshot_replaces_a_workers_view() -> None:
+    index = KVBlockIndex()
+    index.apply("w0", stored(1, [1, 2, 3]))
+    index.replace("w0", "device", [7, 8])
+    assert not index.holds("w0", 1)
+    assert index.match([7, 8, 9], ["w0"], now=0.0)["w0"].num_blocks == 2
+
+
+def test_speculative_insert_expires_unless_confirmed() -> None:
+    index = KVBlockIndex()
+    index.speculate("w0", [1, 2, 3], deadline=2.0)
+    assert index.match([1, 2, 3], ["w0"], now=1.0)["w0"].speculative == 3
+    index.apply("w0", stored(1, [1]))  # the worker confirms the first block only
+    match = index.match([1, 2, 3], ["w0"], now=1.5)["w0"]
+    assert (match.blocks_by_tier["device"], match.speculative) == (1, 2)
+    match = index.match([1, 2, 3], ["w0"], now=2.0)["w0"]
+    assert (match.blocks_by_tier["device"], match.speculative) == (1, 0)
+    assert index.num_speculative("w0") == 0
+
+
+def test_index_equals_a_real_cache_through_events_and_a_gap() -> None:
+    """Random traffic on a real KVCacheManager: replaying its events (and, after a gap,
+    its snapshot) gives exactly the blocks it holds."""
+    rng = random.Random(7)
+    cache = KVCacheManager(num_blocks=24, block_size=4)
+    index = KVBlockIndex()
+    applied = 0
+    prefixes = [[rng.randrange(100) for _ in range(12)] for _ in range(4)]
+    for step in range(200):
+        tokens = rng.choice(prefixes)[: rng.randrange(4, 13)] + [rng.randrange(100)] * 4
+        hashes = block_hashes(tokens, 4, NAMESPACE)
+        rid = f"r{step}"
+        cache.match_prefix(rid, hashes, len(tokens))
+        if cache.allocate_slots(rid, len(tokens)):
+            cache.commit_blocks(rid, hashes)
+        cache.free_request(rid)
+        if step % 50 == 49:
+            cache.clear()
+        if step == 120:  # the subscriber missed events: resync from the snapshot
+            last_seq, blocks = cache.snapshot()
+            index.replace("w0", "device", [h for h, _ in blocks])
+            applied = last_seq
+        elif step % 3 == 0:
+            for event in cache.events.since(applied):
+                index.apply("w0", event)
+            applied = cache.events.last_seq
+    for event in cache.events.since(applied):
+        index.apply("w0", event)
+    held = {h for h, _ in cache.snapshot()[1]}
+    assert index.num_blocks("w0") == len(held)
+    assert all(index.holds("w0", h) for h in held)

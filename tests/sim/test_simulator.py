@@ -1,0 +1,180 @@
+"""The simulator: real scheduler and cache in virtual time, policies compared on traces."""
+
+from __future__ import annotations
+
+import json
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvserve.core.cost_model import profile
+from kvserve.core.kv_cache_manager import KVCacheManager
+from kvserve.core.request import Request
+from kvserve.core.sampling_params import SamplingParams
+from kvserve.core.scheduler import SchedulerConfig
+from kvserve.sim.report import summarize
+from kvserve.sim.simulator import SimConfig, simulate
+from kvserve.sim.trace import BLOCK_TOKENS, TraceRequest, load_mooncake
+from kvserve.sim.worker import SimWorker
+
+FIXTURE = Path(__file__).parents[1] / "fixtures" / "mooncake_small.jsonl"
+TINY = profile("tiny")
+
+
+def conversations(num: int, turns: int, gap_s: float, seed: int = 0) -> list[TraceRequest]:
+    """``num`` conversations whose turn k repeats turn k-1's blocks plus two new ones;
+    every prompt's last block is 100 tokens short."""
+    rng = random.Random(seed)
+    requests, next_id = [], 1000
+    for conv in range(num):
+        blocks: list[int] = []
+        start = rng.uniform(0, gap_s)
+        for turn in range(turns):
+            blocks = [*blocks, next_id, next_id + 1]
+            next_id += 2
+            requests.append(
+                TraceRequest(
+                    f"c{conv}t{turn}",
+                    start + turn * gap_s,
+                    len(blocks) * BLOCK_TOKENS - 100,
+                    8,
+                    tuple(blocks),
+                )
+            )
+    return sorted(requests, key=lambda r: r.arrival_s)
+
+
+def config(workers: int = 4, cache_blocks: int = 64) -> SimConfig:
+    return SimConfig(num_workers=workers, cache_tokens=cache_blocks * BLOCK_TOKENS, cost=TINY)
+
+
+def test_trace_tokens_keep_the_sharing_and_the_length() -> None:
+    first, second = load_mooncake(FIXTURE)[:2]
+    a, b = first.prompt_token_ids(), second.prompt_token_ids()
+    assert len(a) == first.input_tokens and len(b) == second.input_tokens
+    assert a[: 2 * BLOCK_TOKENS] == b[: 2 * BLOCK_TOKENS]
+    assert a[2 * BLOCK_TOKENS] != b[2 * BLOCK_TOKENS]
+
+
+def test_decode_runs_match_single_steps() -> None:
+    """Planning k decode steps at once ends at the same time in the same cache state."""
+
+    def run(horizon_gap: float) -> tuple[float, int, int]:
+        cache = KVCacheManager(64, 16)
+        worker = SimWorker("w", cache, profile("llama3-8b-h100"), SchedulerConfig(256))
+        for i, (prompt, out) in enumerate([(40, 50), (70, 33), (5, 81)]):
+            worker.add(
+                Request(
+                    f"r{i}",
+                    [i + 1] * prompt,
+                    SamplingParams(max_tokens=out),
+                    max_tokens=out,
+                    namespace=b"n",
+                    block_size=16,
+                )
+            )
+        now, finished = 0.0, 0
+        while worker.has_work:
+            now += worker.start_step(now, now + horizon_gap)
+            finished += len(worker.finish_step().finished)
+            cache.check()
+        return now, finished, cache.num_cached_blocks
+
+    single, batched = run(0.0), run(float("inf"))
+    assert single[1:] == batched[1:] == (3, single[2])
+    assert batched[0] == pytest.approx(single[0], rel=1e-9)
+
+
+def test_cache_aware_policies_find_conversations_round_robin_does_not() -> None:
+    trace = conversations(num=13, turns=4, gap_s=5.0)  # 13: not a multiple of 4
+    hits = {
+        p: summarize(simulate(trace, p, config())).hit_rate
+        for p in ("round_robin", "cache_aware", "kv_aware", "global")
+    }
+    # Turn k's prompt holds turn k-1's 2k blocks, but only the first 2k-1 were full
+    # (its last one was 100 tokens short): 1 + 3 + 5 cached blocks of 4 prompts.
+    cached, prompt = 9 * BLOCK_TOKENS, sum(n * BLOCK_TOKENS - 100 for n in (2, 4, 6, 8))
+    assert hits["global"] == pytest.approx(cached / prompt)
+    assert hits["kv_aware"] == pytest.approx(hits["global"], abs=0.02)
+    assert hits["cache_aware"] == pytest.approx(hits["global"], abs=0.02)
+    assert hits["round_robin"] < hits["global"] / 2
+
+
+def test_cache_pressure_costs_hits_and_loses_no_request() -> None:
+    trace = conversations(num=30, turns=3, gap_s=2.0, seed=3)
+    roomy, tight = (
+        summarize(simulate(trace, "kv_aware", config(workers=3, cache_blocks=blocks)))
+        for blocks in (64, 12)
+    )
+    assert roomy.hit_rate > 2 * tight.hit_rate
+    assert roomy.requests == tight.requests == len(trace)
+    assert roomy.rejected == tight.rejected == 0
+
+
+def test_a_prompt_longer_than_the_cache_is_rejected_not_stuck() -> None:
+    trace = [
+        TraceRequest("big", 0.0, 10 * BLOCK_TOKENS, 4, tuple(range(10))),
+        TraceRequest("ok", 0.1, BLOCK_TOKENS, 4, (99,)),
+    ]
+    summary = summarize(simulate(trace, "kv_aware", config(workers=1, cache_blocks=4)))
+    assert (summary.requests, summary.rejected) == (2, 1)
+
+
+def test_cli_writes_table_json_and_plots(tmp_path: Path) -> None:
+    out = tmp_path / "sim"
+    completed = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "from kvserve.cli import main; main()",
+            "simulate",
+            "--trace",
+            str(FIXTURE),
+            "--workers",
+            "2",
+            "--cache-tokens",
+            "100000",
+            "--policy",
+            "round_robin,kv_aware,global",
+            "--profile",
+            "tiny",
+            "--json",
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=60,
+    )
+    rows = json.loads(completed.stdout)
+    assert [r["policy"] for r in rows] == ["round_robin", "kv_aware", "global"]
+    assert all(r["requests"] == 6 and 0 <= r["hit_rate"] <= 1 for r in rows)
+    assert {p.name for p in out.iterdir()} >= {
+        "results.json",
+        "report.md",
+        "sim_ttft_cdf.png",
+        "sim_hit_rate_ttft.png",
+    }
+
+
+def test_cli_refuses_an_unknown_policy() -> None:
+    completed = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "from kvserve.cli import main; main()",
+            "simulate",
+            "--trace",
+            str(FIXTURE),
+            "--policy",
+            "psychic",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert completed.returncode != 0 and "unknown policy" in completed.stderr
