@@ -168,10 +168,10 @@ def small_runner(tiny_model_dirs) -> ModelRunner:
     ],
 )
 def test_bad_batches_are_refused_before_touching_the_cache(small_runner, batch, message):
-    before = small_runner.kv_pool.keys(0).clone()
+    before = small_runner.kv_pool.layer(0).clone()
     with pytest.raises(ValueError, match=message):
         small_runner.forward(batch)
-    assert torch.equal(small_runner.kv_pool.keys(0), before)
+    assert torch.equal(small_runner.kv_pool.layer(0), before)
 
 
 def test_blocks_for_memory(small_runner):

@@ -121,3 +121,24 @@ def test_greedy_decode_equals_generate(arch, runners, tokenizers, tiny_model_dir
             break
         start, step_tokens = start + len(step_tokens), [token]
     assert generated == expected
+
+
+def test_half_precision_path_stays_close_to_float32(tiny_model_dirs, tokenizers):
+    """bf16 is what CUDA runs by default; the same code path runs here on CPU."""
+    folder, tokenizer = tiny_model_dirs["qwen3"], tokenizers["qwen3"]
+    prompts = [tokenizer.encode(text) for text in PROMPTS[:2]]
+    outputs = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        runner = ModelRunner(folder, num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE, dtype=dtype)
+        assert runner.kv_pool.layer(0).dtype == dtype
+        tables = [shuffled_blocks(24, seed=5), shuffled_blocks(24, seed=6)]
+        runner.forward([SequenceBatchItem(prompts[0][:-1], 0, tables[0])])
+        outputs[dtype] = runner.forward(
+            [
+                SequenceBatchItem(prompts[0][-1:], len(prompts[0]) - 1, tables[0]),
+                SequenceBatchItem(prompts[1], 0, tables[1]),
+            ]
+        )
+    assert outputs[torch.bfloat16].dtype == torch.float32
+    torch.testing.assert_close(outputs[torch.bfloat16], outputs[torch.float32], atol=0.1, rtol=0.05)
+    assert torch.equal(outputs[torch.bfloat16].argmax(-1), outputs[torch.float32].argmax(-1))

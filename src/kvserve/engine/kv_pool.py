@@ -39,6 +39,9 @@ class KVPool:
             dtype=dtype,
             device=device,
         )
+        # Views made once: a step touches every layer, and each view costs a dispatch.
+        self._layers = list(self._storage.unbind(0))
+        self._slot_views = [layer.view(-1, *layer.shape[2:]) for layer in self._layers]
 
     @staticmethod
     def bytes_per_block(
@@ -49,16 +52,15 @@ class KVPool:
 
     def layer(self, layer: int) -> torch.Tensor:
         """``[num_blocks, block_size, 2 * num_kv_heads, head_dim]``, K heads first."""
-        return self._storage[layer]
+        return self._layers[layer]
 
     def keys(self, layer: int) -> torch.Tensor:
-        return self._storage[layer, :, :, : self.num_kv_heads]
+        return self._layers[layer][:, :, : self.num_kv_heads]
 
     def values(self, layer: int) -> torch.Tensor:
-        return self._storage[layer, :, :, self.num_kv_heads :]
+        return self._layers[layer][:, :, self.num_kv_heads :]
 
     def write(self, layer: int, slots: torch.Tensor, kv: torch.Tensor) -> None:
         """Store ``kv`` ``[num_tokens, 2 * num_kv_heads, head_dim]`` (K heads, then V) at
         ``slots``."""
-        pool = self._storage[layer]
-        pool.view(-1, *pool.shape[2:]).index_copy_(0, slots, kv)
+        self._slot_views[layer].index_copy_(0, slots, kv)

@@ -23,8 +23,8 @@ from kvserve.engine.weights import CheckpointTensors
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """Over the last dim; a 2-D ``weight`` (Qwen3's stacked per-head norms) broadcasts."""
     if weight.dim() == 1:
-        return F.rms_norm(x, x.shape[-1:], weight, eps)
-    return F.rms_norm(x, x.shape[-1:], eps=eps) * weight
+        return torch.rms_norm(x, x.shape[-1:], weight, eps)
+    return torch.rms_norm(x, x.shape[-1:], None, eps) * weight
 
 
 def residual_linear(

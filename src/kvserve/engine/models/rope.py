@@ -125,5 +125,5 @@ class RotaryTable:
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
     """Rotate ``x`` ``[T, heads, head_dim]`` by the half-split convention Llama uses."""
-    swapped = x.unflatten(-1, (2, -1)).flip(-2).flatten(-2)
-    return x * cos + swapped * signed_sin
+    swapped = x.roll(x.shape[-1] // 2, -1)  # [x2, x1]; the sign is in signed_sin
+    return torch.addcmul(x * cos, swapped, signed_sin)
