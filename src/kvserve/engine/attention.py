@@ -219,7 +219,7 @@ def paged_attention(
             queries = queries.view(batch, num_kv_heads, -1, head_dim)
             attended = F.scaled_dot_product_attention(
                 queries, keys, values, attn_mask=group.masks[window], scale=scale
-            ).view(batch, num_heads, head_dim)
+            ).reshape(batch, num_heads, head_dim)  # a view unless the kernel's output is strided
         else:
             queries = queries.view(batch, num_queries, num_heads, head_dim).transpose(1, 2)
             mask = group.masks[window]
