@@ -51,6 +51,12 @@ class ScriptedServer(ForeignServer):
         if self._runner is not None:
             await self._runner.cleanup()
 
+    async def wait_for_disconnects(self, count: int, timeout_s: float = 10.0) -> None:
+        """Until ``count`` clients have gone away mid-stream (the server learns it late)."""
+        async with asyncio.timeout(timeout_s):
+            while self.disconnects < count:
+                await asyncio.sleep(0.01)
+
     async def generate(self, request: web.Request) -> web.StreamResponse:
         self.received.append(orjson.loads(await request.read()))
         self.auth_headers.append(request.headers.get("Authorization"))

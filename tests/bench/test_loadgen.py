@@ -32,7 +32,7 @@ async def test_open_loop_follows_scaled_timestamps() -> None:
         outcome = await LoadGenerator(config(server.url, time_scale=0.5)).run(prompts(4, gap_s=0.4))
     starts = sorted(r.start_s for r in outcome.records)
     for expected, actual in zip([0.0, 0.2, 0.4, 0.6], starts, strict=True):
-        assert expected <= actual < expected + 0.1
+        assert expected <= actual < expected + 0.15  # never early; late only by loop lag
     assert outcome.stopped_by == "completed"
     assert all(
         r.ok and r.completion_tokens == 3 and r.worker == "scripted-0" for r in outcome.records
@@ -46,7 +46,8 @@ async def test_records_measure_ttft_itl_usage_and_cache() -> None:
         )
     first, second = sorted(outcome.records, key=lambda r: r.item)
     assert 0 < first.ttft_s < first.e2e_s
-    assert len(first.itl_s) == 4 and all(gap >= 0.005 for gap in first.itl_s)
+    assert len(first.itl_s) == 4 and all(gap >= 0 for gap in first.itl_s)
+    assert sum(first.itl_s) >= 0.02  # the server spaced its 5 chunks 10 ms apart
     assert (first.prompt_tokens, first.completion_tokens) == (len(SHARED + "0") // 4, 5)
     assert first.cached_tokens == 0
     assert 0 < second.cached_tokens <= len(SHARED) // 4  # the shared prefix, no more
@@ -115,7 +116,7 @@ async def test_a_hanging_server_times_out_and_frees_the_connection() -> None:
     async with ScriptedServer(["hang"]) as server:
         slow = LoadConfig(endpoint=server.url, model="m", request_timeout_s=0.3)
         outcome = await LoadGenerator(slow).run(prompts(2))
-        await asyncio.sleep(0.1)  # let the server see the disconnect
+        await server.wait_for_disconnects(1)
     records = sorted(outcome.records, key=lambda r: r.item)
     assert records[0].error.startswith("timeout") and records[1].ok
     assert server.disconnects == 1
@@ -129,7 +130,7 @@ async def test_stop_cancels_in_flight_requests_and_keeps_what_completed() -> Non
             await asyncio.sleep(0.01)
         generator.stop()
         outcome = await asyncio.wait_for(run, 5)
-        await asyncio.sleep(0.1)
+        await server.wait_for_disconnects(2)
     assert outcome.stopped_by == "interrupted"
     assert outcome.abandoned >= 2
     assert 1 <= len(outcome.records) < 50
@@ -142,7 +143,7 @@ async def test_duration_stops_issuing() -> None:
             prompts(100, gap_s=0.05)
         )
     assert outcome.stopped_by == "duration"
-    assert 4 <= len(outcome.records) <= 8
+    assert 2 <= len(outcome.records) <= 6  # due at 0, 0.05, ..., 0.25 s: at most 6
 
 
 async def test_a_run_that_ends_before_its_duration_completed() -> None:
