@@ -10,10 +10,12 @@ from functools import cache
 from pathlib import Path
 
 import pytest
+from tokenizers import Tokenizer as HFTokenizer
+from tokenizers import decoders, models, pre_tokenizers, trainers
 from transformers import AutoTokenizer
 
 from kvserve.engine.model_config import ModelLoadError
-from kvserve.engine.tiny_model import ARCHES
+from kvserve.engine.tiny_model import ARCHES, training_corpus
 from kvserve.engine.tokenizer import Tokenizer
 
 TEXTS = (
@@ -69,6 +71,53 @@ def test_streamed_deltas_join_to_the_decoded_text(arch, tiny_model_dirs):
         deltas.append(detokenizer.finish())
         assert "".join(deltas) == tokenizer.decode(ids)
         assert not any("\ufffd" in delta for delta in deltas)
+
+
+@pytest.fixture(scope="module")
+def sentencepiece_style_dir(tmp_path_factory) -> Path:
+    """A Llama 2 / Mistral style tokenizer: Metaspace pieces, byte fallback, a decoder
+    that strips the first space — the case where a token's text depends on what precedes."""
+    trained = HFTokenizer(models.BPE(unk_token="<unk>"))
+    trained.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first")
+    trainer = trainers.BpeTrainer(
+        vocab_size=600,
+        special_tokens=["<unk>", "<s>", "</s>"],
+        limit_alphabet=40,
+        show_progress=False,
+    )
+    trained.train_from_iterator(training_corpus(), trainer=trainer)
+    model = json.loads(trained.to_str())["model"]
+    vocab = model["vocab"]
+    for byte in range(256):
+        vocab.setdefault(f"<0x{byte:02X}>", len(vocab))
+    merges = [tuple(m.split(" ")) if isinstance(m, str) else tuple(m) for m in model["merges"]]
+    tokenizer = HFTokenizer(models.BPE(vocab, merges, unk_token="<unk>", byte_fallback=True))
+    tokenizer.pre_tokenizer = trained.pre_tokenizer
+    tokenizer.decoder = decoders.Sequence(
+        [
+            decoders.Replace("▁", " "),
+            decoders.ByteFallback(),
+            decoders.Fuse(),
+            decoders.Strip(" ", 1, 0),
+        ]
+    )
+    tokenizer.add_special_tokens(["<unk>", "<s>", "</s>"])
+    folder = tmp_path_factory.mktemp("sentencepiece_style")
+    tokenizer.save(str(folder / "tokenizer.json"))
+    return folder
+
+
+def test_stream_continues_the_prompt_with_context_dependent_decoding(sentencepiece_style_dir):
+    tokenizer = Tokenizer(sentencepiece_style_dir)
+    prompt = tokenizer.encode("The model reads")
+    assert tokenizer.decode(prompt) == "The model reads"
+    for text in ("The model reads a long story before lunch 日本語 ✓ ok", "The model reads"):
+        generated = tokenizer.encode(text)[len(prompt) :]
+        detokenizer = tokenizer.detokenizer(prompt)
+        deltas = [detokenizer.push([token]) for token in generated] + [detokenizer.finish()]
+        assert not any("\ufffd" in delta for delta in deltas)
+        whole = tokenizer.decode(prompt + generated)
+        assert "".join(deltas) == whole[len(tokenizer.decode(prompt)) :]
 
 
 def test_incomplete_character_is_held_until_finish(tiny_model_dirs):

@@ -126,7 +126,9 @@ class Tokenizer:
 
 
 class IncrementalDetokenizer:
-    """Text deltas of a growing token sequence, whose concatenation is the decoded whole.
+    """Text deltas of a growing token sequence, whose concatenation is the text the tokens
+    add after the prompt (with the prompt's last tokens as decoding context, so a leading
+    space or a merged character comes out as it does in the whole decoded text).
 
     Each step decodes a short window that ends with the new tokens and emits the part
     past what the window's older tokens decode to. A delta ending in U+FFFD means a
