@@ -25,8 +25,18 @@ def register(app: typer.Typer) -> None:
         ] = None,
         policy: Annotated[
             str,
-            typer.Option(help="cache_aware | round_robin | random | power_of_two | session"),
+            typer.Option(
+                help="cache_aware | kv_aware | round_robin | random | power_of_two | session"
+            ),
         ] = "cache_aware",
+        tokenizer: Annotated[
+            str | None,
+            typer.Option(
+                help="kv_aware: model folder whose tokenizer and chat template hash prompts "
+                "(default: the model a worker serves, when that is a local folder).",
+                rich_help_panel=_TUNING,
+            ),
+        ] = None,
         host: str = "127.0.0.1",
         port: int = 8000,
         api_key: Annotated[
@@ -124,6 +134,7 @@ def register(app: typer.Typer) -> None:
                     max_tree_size=max_tree_size,
                 ),
                 session_header=session_header,
+                tokenizer=tokenizer,
                 seed=seed,
                 retry=RetryConfig(
                     max_retries=max_retries,

@@ -39,6 +39,12 @@ def register(app: typer.Typer) -> None:
             float, typer.Option(help="Seconds in-flight requests get on SIGTERM.")
         ] = 30.0,
         device: Annotated[str | None, typer.Option(help="cpu | cuda (default: best).")] = None,
+        runner: Annotated[
+            str, typer.Option(help="model | sim (cost-model step times, no weights).")
+        ] = "model",
+        sim_profile: Annotated[
+            str, typer.Option(help="Cost profile of --runner sim: llama3-8b-h100 | tiny.")
+        ] = "llama3-8b-h100",
     ) -> None:
         """Serve one engine: OpenAI API, /health, /load, /metrics, KV events."""
         from kvserve.worker.config import WorkerConfig
@@ -46,6 +52,14 @@ def register(app: typer.Typer) -> None:
 
         if role not in ("mixed", "prefill", "decode"):
             raise typer.BadParameter("role must be mixed, prefill or decode", param_hint="--role")
+        from kvserve.core.cost_model import profile
+
+        if runner not in ("model", "sim"):
+            raise typer.BadParameter("runner must be model or sim", param_hint="--runner")
+        try:
+            profile(sim_profile)
+        except ValueError as error:
+            raise typer.BadParameter(str(error), param_hint="--sim-profile") from error
         if num_blocks is not None and kv_cache_memory is not None:
             raise typer.BadParameter("give --num-blocks or --kv-cache-memory, not both")
         logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(message)s")
@@ -64,5 +78,7 @@ def register(app: typer.Typer) -> None:
                 model_name=served_model_name,
                 shutdown_timeout_s=shutdown_timeout,
                 device=device,
+                runner=runner,  # type: ignore[arg-type]
+                sim_profile=sim_profile,
             )
         )

@@ -21,6 +21,7 @@ from kvserve.core.request import Request
 from kvserve.core.sampling_params import InvalidParameterError, SamplingParams
 from kvserve.core.scheduler import ScheduledChunk, Scheduler, SchedulerConfig
 from kvserve.core.stop_checker import find_stop_string, stop_holdback, token_finish_reason
+from kvserve.engine.cost_model_runner import CostModelRunner
 from kvserve.engine.device import pick_device, pick_dtype
 from kvserve.engine.errors import InvalidRequestError
 from kvserve.engine.model_config import ModelConfig
@@ -66,6 +67,7 @@ class LLMEngine:
         device: str | None = None,
         model_name: str | None = None,
         seed: int | None = None,
+        runner: CostModelRunner | None = None,  # stands in for the model (no weights)
     ) -> None:
         config = ModelConfig.from_dir(model_dir)
         if num_blocks is None:
@@ -74,7 +76,7 @@ class LLMEngine:
             num_blocks = ModelRunner.blocks_for_memory(config, block_size, memory, dtype)
         if num_blocks < 1:
             raise ValueError(f"the KV cache needs at least one block, got {num_blocks}")
-        self.runner = ModelRunner(
+        self.runner = runner or ModelRunner(
             model_dir, num_blocks=num_blocks, block_size=block_size, device=device
         )
         self.tokenizer = Tokenizer(model_dir)

@@ -19,6 +19,7 @@ from kvserve.router.health import HealthChecker
 from kvserve.router.load_guard import LoadTracker
 from kvserve.router.metrics import RouterMetrics
 from kvserve.router.policies import make_policy
+from kvserve.router.policies.kv_aware import KvAwarePolicy
 from kvserve.router.proxy import Proxy
 from kvserve.router.worker_registry import Worker, WorkerRegistry
 
@@ -65,11 +66,15 @@ class Router:
             )
             self._health = HealthChecker(self.registry, self.config.health, self.metrics, session)
             await self._health.probe_all()
-            checking = asyncio.create_task(self._health.run_forever())
+            tasks = [asyncio.create_task(self._health.run_forever())]
+            if isinstance(self.policy, KvAwarePolicy):  # it follows the workers' KV events
+                subscriber = self.policy.subscribe(self.registry, session)
+                tasks.append(asyncio.create_task(subscriber.run_forever()))
             yield
-            checking.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await checking
+            for task in tasks:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
 
     def build_app(self) -> web.Application:
         app = web.Application(client_max_size=self.config.max_request_bytes)

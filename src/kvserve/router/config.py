@@ -9,8 +9,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kvserve.core.routing.cache_aware import CacheAwareConfig
+from kvserve.core.routing.kv_aware import KvAwareConfig
 
-POLICY_NAMES = ("cache_aware", "round_robin", "random", "power_of_two", "session")
+POLICY_NAMES = ("cache_aware", "round_robin", "random", "power_of_two", "session", "kv_aware")
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,6 +52,8 @@ class RouterConfig:
     api_key: str | None = None  # required from clients on /v1/* when set
     admin_api_key: str | None = None  # required on /workers; falls back to api_key
     cache_aware: CacheAwareConfig = field(default_factory=CacheAwareConfig)
+    kv_aware: KvAwareConfig = field(default_factory=KvAwareConfig)
+    tokenizer: str | None = None  # kv_aware: model folder (default: the workers' model)
     session_header: str = "x-session-id"  # else the body's ``user`` field keys the session
     session_virtual_nodes: int = 160
     retry: RetryConfig = field(default_factory=RetryConfig)

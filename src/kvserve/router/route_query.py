@@ -53,4 +53,5 @@ def build_route_query(
         model=model if isinstance(model, str) else "",
         session_key=session_key or None,
         prefill_tokens=max(1, round(len(text) / chars_per_token)),
+        body=body,
     )

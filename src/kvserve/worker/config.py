@@ -27,6 +27,8 @@ class WorkerConfig:
     # On SIGTERM in-flight requests get this long to finish before they are aborted.
     shutdown_timeout_s: float = 30.0
     device: str | None = None
+    runner: Literal["model", "sim"] = "model"  # sim: the cost-model runner, no weights
+    sim_profile: str = "llama3-8b-h100"  # kvserve.core.cost_model profile for runner "sim"
 
     @property
     def resolved_worker_id(self) -> str:

@@ -39,8 +39,13 @@ class _GracefulServer(uvicorn.Server):
 
 def serve(config: WorkerConfig) -> None:
     """Blocks until the worker is told to stop."""
+    from kvserve.core.cost_model import profile
+    from kvserve.engine.cost_model_runner import CostModelRunner
     from kvserve.engine.llm_engine import LLMEngine  # torch: import only when serving
 
+    runner = None
+    if config.runner == "sim":
+        runner = CostModelRunner(config.model_dir, profile(config.sim_profile))
     engine = LLMEngine(
         config.model_dir,
         block_size=config.block_size,
@@ -49,6 +54,7 @@ def serve(config: WorkerConfig) -> None:
         max_num_batched_tokens=config.max_num_batched_tokens,
         device=config.device,
         model_name=config.model_name,
+        runner=runner,
     )
     app = build_app(config, engine)
     server = _GracefulServer(

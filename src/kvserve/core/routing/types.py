@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass(frozen=True, slots=True)
@@ -29,6 +31,7 @@ class RouteQuery:
 
     ``text`` is the prompt as the router sees it (no tokenizer: characters), ``pool`` and
     ``model`` select the policy state so that one pool's history never steers another's.
+    ``body`` is the request itself, for policies that tokenize it (kv_aware).
     """
 
     text: str
@@ -36,6 +39,7 @@ class RouteQuery:
     pool: str = "regular"
     session_key: str | None = None
     prefill_tokens: int = 0
+    body: Mapping[str, Any] | None = field(default=None, compare=False, repr=False)
 
 
 @dataclass(frozen=True, slots=True)

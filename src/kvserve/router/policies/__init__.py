@@ -7,6 +7,7 @@ from random import Random
 from kvserve.router.config import RouterConfig
 from kvserve.router.policies.base import Policy
 from kvserve.router.policies.cache_aware import CacheAwarePolicy
+from kvserve.router.policies.kv_aware import KvAwarePolicy
 from kvserve.router.policies.power_of_two import PowerOfTwoPolicy
 from kvserve.router.policies.random import RandomPolicy
 from kvserve.router.policies.round_robin import RoundRobinPolicy
@@ -22,6 +23,7 @@ def make_policy(config: RouterConfig, now: float) -> Policy:
         "random": lambda: RandomPolicy(rng),
         "power_of_two": lambda: PowerOfTwoPolicy(rng),
         "session": lambda: SessionPolicy(config.session_virtual_nodes),
+        "kv_aware": lambda: KvAwarePolicy(config.kv_aware, config.tokenizer),
     }
     return factories[config.policy]()
 

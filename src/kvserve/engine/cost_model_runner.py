@@ -1,0 +1,56 @@
+"""A model runner without weights: it takes as long as a real GPU would, per the cost model.
+
+Fleet benchmarks need many workers on one machine that behave like GPU workers in time
+(step times from :mod:`kvserve.core.cost_model`, e.g. Llama-3-8B on one H100) while the
+scheduler, KV cache, events and HTTP stack are the real ones. ``forward`` has the
+:class:`~kvserve.engine.model_runner.ModelRunner` interface; it sleeps the modelled step
+time (minus what the call itself spent) and returns logits that make every sequence
+sample the same filler token, never an end-of-sequence token, so outputs are
+deterministic and run to ``max_tokens``. Only config.json and the tokenizer of the model
+folder are read.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import torch
+
+from kvserve.core.cost_model import CostModel
+from kvserve.engine.model_config import ModelConfig
+from kvserve.engine.model_runner import SequenceBatchItem
+
+_UNLIKELY = -1e4  # logit of every token but the filler: exp() underflows to 0
+
+
+class CostModelRunner:
+    def __init__(
+        self,
+        model_dir: str | Path,
+        cost: CostModel,
+        *,
+        sleep: bool = True,
+    ) -> None:
+        self.config = ModelConfig.from_dir(model_dir)
+        self.device = torch.device("cpu")
+        self.cost = cost
+        self._sleep = sleep
+        self.filler_token_id = self._filler(self.config)
+        self.modelled_s = 0.0  # total modelled time, for tests and reports
+
+    @staticmethod
+    def _filler(config: ModelConfig) -> int:
+        """A middle-of-the-vocabulary id that no stop rule of the model matches."""
+        avoid = set(config.eos_token_ids) | {config.bos_token_id}
+        return next(t for t in range(config.vocab_size // 2, config.vocab_size) if t not in avoid)
+
+    def forward(self, batch: list[SequenceBatchItem]) -> torch.Tensor:
+        started = time.perf_counter()
+        step_s = self.cost.step_time((item.start_pos, len(item.token_ids)) for item in batch)
+        self.modelled_s += step_s
+        logits = torch.full((len(batch), self.config.vocab_size), _UNLIKELY)
+        logits[:, self.filler_token_id] = 0.0
+        if self._sleep:
+            time.sleep(max(0.0, step_s - (time.perf_counter() - started)))
+        return logits

@@ -1,0 +1,143 @@
+"""Follows every worker's KV event stream into the kv_aware policy's block index.
+
+One task per worker: take ``/kv/snapshot`` (replace that worker's view), then long-poll
+``/kv/events?after=SEQ`` and apply each event in order. A ``410`` (the worker's bounded
+history passed us by, or it restarted) or a sequence gap means resync from a snapshot:
+the index never silently skips an event. An unreachable worker is retried with backoff
+and, being possibly restarted, resynced. The fleet is reconciled with the registry every
+``reconcile_s``: new workers are followed, removed ones forgotten (index and task).
+Wire format: docs/internals.md, "Worker KV events API".
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+
+from kvserve.core.kv_events import KVEvent
+from kvserve.core.routing.kv_index import KVBlockIndex
+from kvserve.router.worker_registry import Worker, WorkerRegistry
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerKVInfo:
+    """What a resync learns besides the blocks: the models served, the block size."""
+
+    models: tuple[str, ...]
+    block_size: int
+
+
+class _Resync(Exception):
+    """The stream cannot be continued incrementally."""
+
+
+class KVEventSubscriber:
+    def __init__(
+        self,
+        index: KVBlockIndex,
+        registry: WorkerRegistry,
+        session: aiohttp.ClientSession,
+        *,
+        on_worker_info: Callable[[str, WorkerKVInfo], None] | None = None,
+        on_forget: Callable[[str], None] | None = None,
+        poll_timeout_s: float = 10.0,
+        reconcile_s: float = 1.0,
+        retry_s: float = 0.5,
+    ) -> None:
+        self._index = index
+        self._registry = registry
+        self._session = session
+        self._on_worker_info = on_worker_info
+        self._on_forget = on_forget
+        self._poll_timeout_s = poll_timeout_s
+        self._reconcile_s = reconcile_s
+        self._retry_s = retry_s
+        self._tasks: dict[str, asyncio.Task[None]] = {}
+        self.last_seq: dict[str, int] = {}
+        self.resyncs: dict[str, int] = {}
+
+    async def run_forever(self) -> None:
+        try:
+            while True:
+                self.reconcile()
+                await asyncio.sleep(self._reconcile_s)
+        finally:
+            await self.stop()
+
+    def reconcile(self) -> None:
+        """Follow workers that joined, forget those that left."""
+        current = {w.worker_id: w for w in self._registry.all()}
+        for worker_id in [w for w in self._tasks if w not in current]:
+            self._tasks.pop(worker_id).cancel()
+            self._index.remove_worker(worker_id)
+            self.last_seq.pop(worker_id, None)
+            if self._on_forget is not None:
+                self._on_forget(worker_id)
+        for worker_id, worker in current.items():
+            if worker_id not in self._tasks:
+                self._tasks[worker_id] = asyncio.create_task(self._follow(worker))
+
+    async def stop(self) -> None:
+        tasks = list(self._tasks.values())
+        self._tasks.clear()
+        for task in tasks:
+            task.cancel()
+        for task in tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+    async def _follow(self, worker: Worker) -> None:
+        while True:
+            try:
+                await self._resync(worker)
+                while True:
+                    await self._poll(worker)
+            except _Resync:
+                self.resyncs[worker.worker_id] = self.resyncs.get(worker.worker_id, 0) + 1
+            except (aiohttp.ClientError, TimeoutError, ValueError, KeyError) as error:
+                log.debug("kv events of %s: %s; retrying", worker.worker_id, error)
+                await asyncio.sleep(self._retry_s)
+
+    async def _get(self, worker: Worker, path: str, timeout_s: float) -> Any:
+        timeout = aiohttp.ClientTimeout(total=timeout_s + 5.0)
+        async with self._session.get(worker.url + path, timeout=timeout) as response:
+            if response.status == 410:
+                raise _Resync
+            response.raise_for_status()
+            return await response.json()
+
+    async def _resync(self, worker: Worker) -> None:
+        snapshot = await self._get(worker, "/kv/snapshot", 0.0)
+        if self._on_worker_info is not None:
+            models = await self._get(worker, "/v1/models", 0.0)
+            info = WorkerKVInfo(
+                tuple(str(m["id"]) for m in models["data"]), int(snapshot["block_size"])
+            )
+            self._on_worker_info(worker.worker_id, info)
+        self._index.replace(worker.worker_id, snapshot["tier"], [b[0] for b in snapshot["blocks"]])
+        self.last_seq[worker.worker_id] = int(snapshot["last_seq"])
+
+    async def _poll(self, worker: Worker) -> None:
+        after = self.last_seq[worker.worker_id]
+        path = f"/kv/events?after={after}&timeout={self._poll_timeout_s}"
+        answer = await self._get(worker, path, self._poll_timeout_s)
+        for raw in answer["events"]:
+            event = KVEvent(
+                int(raw["seq"]),
+                raw["kind"],
+                raw["tier"],
+                tuple(raw["block_hashes"]),
+                raw["parent_hash"],
+            )
+            if event.seq != after + 1:
+                raise _Resync
+            self._index.apply(worker.worker_id, event)
+            after = self.last_seq[worker.worker_id] = event.seq
