@@ -95,7 +95,7 @@ class KVCacheManager:
         """
         previous = self._requests.get(request_id)
         if previous is not None:
-            if len(previous.table) > len(previous.pinned) or previous.owned_blocks():
+            if previous.owned_blocks():
                 raise RequestStateError(
                     f"request {request_id!r} owns blocks: free it before matching again"
                 )
