@@ -45,8 +45,15 @@ def register(app: typer.Typer) -> None:
         sim_profile: Annotated[
             str, typer.Option(help="Cost profile of --runner sim: llama3-8b-h100 | tiny.")
         ] = "llama3-8b-h100",
+        pd_min_remote_tokens: Annotated[
+            int, typer.Option(help="decode role: prefill here below this many uncached tokens.")
+        ] = 64,
+        pd_local_hit_fraction: Annotated[
+            float, typer.Option(help="decode role: prefill here if this much is cached.")
+        ] = 0.8,
     ) -> None:
         """Serve one engine: OpenAI API, /health, /load, /metrics, KV events."""
+        from kvserve.core.routing.pd_pair import PDConfig
         from kvserve.worker.config import WorkerConfig
         from kvserve.worker.server import serve
 
@@ -80,5 +87,6 @@ def register(app: typer.Typer) -> None:
                 device=device,
                 runner=runner,  # type: ignore[arg-type]
                 sim_profile=sim_profile,
+                pd=PDConfig(pd_min_remote_tokens, pd_local_hit_fraction),
             )
         )

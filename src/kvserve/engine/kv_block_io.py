@@ -131,7 +131,13 @@ def write_blocks(
 
 def to_bytes(blocks: torch.Tensor) -> bytes:
     """The raw payload of :func:`read_blocks`' result, in the documented layout."""
-    return blocks.contiguous().view(torch.uint8).numpy().tobytes()
+    return payload_view(blocks).tobytes()
+
+
+def payload_view(blocks: torch.Tensor) -> memoryview:
+    """The same bytes as :func:`to_bytes` without a copy (valid while ``blocks`` lives),
+    for writing straight to a socket or file."""
+    return memoryview(blocks.contiguous().view(torch.uint8).numpy()).cast("B")
 
 
 def from_bytes(layout: KVBlockLayout, data: bytes | bytearray | memoryview) -> torch.Tensor:

@@ -8,7 +8,7 @@ thread around serving.
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from contextlib import asynccontextmanager, nullcontext
 from typing import Any
 
 from fastapi import FastAPI
@@ -23,6 +23,7 @@ from kvserve.worker.events import build_events_router
 from kvserve.worker.json_response import JSONResponse
 from kvserve.worker.metrics import WorkerMetrics
 from kvserve.worker.openai_api import OpenAIEndpoints, build_openai_router
+from kvserve.worker.pd_api import PDService
 from kvserve.worker.worker_header import WorkerHeaderMiddleware
 
 
@@ -31,12 +32,14 @@ def build_app(config: WorkerConfig, engine: Any) -> FastAPI:
     bridge = AsyncEngine(engine, probe_engine)
     metrics = WorkerMetrics(lambda: bridge.state)
     worker_id = config.resolved_worker_id
+    pd = PDService(config, bridge, metrics) if config.role != "mixed" else None
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         bridge.start()
         try:
-            yield
+            async with pd.serving() if pd else nullcontext():
+                yield
         finally:
             await bridge.shutdown()
 
@@ -46,6 +49,8 @@ def build_app(config: WorkerConfig, engine: Any) -> FastAPI:
     endpoints = OpenAIEndpoints(bridge, metrics, config.api_key)
     app.include_router(build_openai_router(endpoints))
     app.include_router(build_events_router(bridge, config.block_size))
+    if pd:
+        app.include_router(pd.router)
 
     @app.get("/health")
     async def health() -> Response:

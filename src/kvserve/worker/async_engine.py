@@ -107,6 +107,11 @@ class AsyncEngine:
         self._commands.put(run)
         return await future
 
+    def post(self, fn: Callable[[Any], None]) -> None:
+        """Runs ``fn(engine)`` on the engine thread between steps, without waiting: for
+        cleanups that must happen even when the caller is being cancelled."""
+        self._commands.put(lambda: fn(self.engine))
+
     async def generate(self, request_id: str, prompt: Any, params: Any) -> RequestStream:
         """Adds a request; raises what ``add_request`` raises (e.g. InvalidRequestError)."""
         stream = RequestStream(request_id)

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
+
+from kvserve.core.routing.pd_pair import PDConfig
 
 Role = Literal["mixed", "prefill", "decode"]
 
@@ -29,6 +31,7 @@ class WorkerConfig:
     device: str | None = None
     runner: Literal["model", "sim"] = "model"  # sim: the cost-model runner, no weights
     sim_profile: str = "llama3-8b-h100"  # kvserve.core.cost_model profile for runner "sim"
+    pd: PDConfig = field(default_factory=PDConfig)  # prefill and decode roles only
 
     @property
     def resolved_worker_id(self) -> str:

@@ -42,11 +42,13 @@ def serve(config: WorkerConfig) -> None:
     from kvserve.core.cost_model import profile
     from kvserve.engine.cost_model_runner import CostModelRunner
     from kvserve.engine.llm_engine import LLMEngine  # torch: import only when serving
+    from kvserve.engine.pd_engine import PDEngine
 
     runner = None
     if config.runner == "sim":
         runner = CostModelRunner(config.model_dir, profile(config.sim_profile))
-    engine = LLMEngine(
+    pd_options = {"pd_config": config.pd} if config.role != "mixed" else {}
+    engine = (PDEngine if pd_options else LLMEngine)(
         config.model_dir,
         block_size=config.block_size,
         num_blocks=config.num_blocks,
@@ -55,6 +57,7 @@ def serve(config: WorkerConfig) -> None:
         device=config.device,
         model_name=config.model_name,
         runner=runner,
+        **pd_options,
     )
     app = build_app(config, engine)
     server = _GracefulServer(

@@ -1,0 +1,201 @@
+"""The KV transfer over TCP: a prefill worker's server and a decode worker's client.
+
+The decode worker connects, asks for a prompt's blocks (:mod:`pd_wire`), and installs
+each run as it arrives; the prefill worker computes the prompt on its engine thread and
+writes each run of blocks as soon as the engine hands it over, so the network works
+while later chunks compute. The connection is the transfer's lifetime: when the decode
+side hangs up (client gone, lease lapsed, decode worker dead) the prefill worker drops
+the export at once, and when the prefill side dies the decode worker sees the
+connection end and stops waiting.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import torch
+
+from kvserve.core.sampling_params import InvalidParameterError
+from kvserve.engine.kv_block_io import KVBlockLayout, from_bytes, payload_view
+from kvserve.worker.async_engine import AsyncEngine
+from kvserve.worker.pd_wire import ProtocolError, frame_prefix, read_frame
+
+logger = logging.getLogger(__name__)
+
+Install = Callable[[int, torch.Tensor], Awaitable[None]]
+TRANSFER_ERRORS = (
+    OSError,  # refused, reset, unreachable
+    asyncio.IncompleteReadError,  # the peer hung up mid-frame
+    TimeoutError,
+    ProtocolError,
+    ValueError,  # a layout mismatch, a run that does not fit the reservation
+    RuntimeError,  # the prefill side's error frame, a lapsed lease
+)
+
+
+class PrefillFailed(RuntimeError):
+    """The prefill worker answered with an error frame."""
+
+
+class _QueueSink:
+    """An export's sink: engine-thread calls become items on an asyncio queue."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, queue: asyncio.Queue[Any]) -> None:
+        self._loop = loop
+        self._queue = queue
+
+    def blocks(self, first_block: int, blocks: torch.Tensor) -> None:
+        self._loop.call_soon_threadsafe(self._queue.put_nowait, ("blocks", first_block, blocks))
+
+    def done(self, cached_tokens: int) -> None:
+        self._loop.call_soon_threadsafe(self._queue.put_nowait, ("done", cached_tokens))
+
+    def failed(self, message: str) -> None:
+        self._loop.call_soon_threadsafe(self._queue.put_nowait, ("error", message))
+
+
+class PrefillTransferServer:
+    """Serves exports of the engine behind ``bridge`` (a ``PDEngine``) to decode workers."""
+
+    def __init__(self, bridge: AsyncEngine, layout: KVBlockLayout) -> None:
+        self._bridge = bridge
+        self._layout = layout
+        self._server: asyncio.Server | None = None
+        self._connections: set[asyncio.Task[Any]] = set()
+        self._export_ids = itertools.count()
+        self.port = 0
+
+    async def start(self, host: str, port: int = 0) -> None:
+        self._server = await asyncio.start_server(self._serve, host, port)
+        self.port = self._server.sockets[0].getsockname()[1]
+
+    async def close(self) -> None:
+        """Stop listening and cancel every transfer (their exports are dropped)."""
+        if self._server is not None:
+            self._server.close()
+        for task in list(self._connections):
+            task.cancel()
+        await asyncio.gather(*self._connections, return_exceptions=True)
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        self._connections.add(task)
+        export_id = f"pd-export-{next(self._export_ids)}"
+        exporting = False
+        try:
+            header, _ = await read_frame(reader)
+            if header["type"] != "prefill":
+                raise ProtocolError(f"expected a prefill frame, got {header['type']!r}")
+            self._layout.require_same(KVBlockLayout.from_json(header.get("layout")))
+            queue: asyncio.Queue[Any] = asyncio.Queue()
+            sink = _QueueSink(asyncio.get_running_loop(), queue)
+            token_ids, first, count = (
+                header["token_ids"],
+                header["first_block"],
+                header["num_blocks"],
+            )
+            await self._bridge.call(
+                lambda engine: engine.start_export(export_id, token_ids, first, count, sink)
+            )
+            exporting = True
+            exporting = await self._relay(queue, reader, writer)
+        except (InvalidParameterError, ProtocolError, ValueError, KeyError, TypeError) as exc:
+            await _send_quietly(writer, frame_prefix({"type": "error", "message": str(exc)}))
+        except (OSError, asyncio.IncompleteReadError):
+            pass  # the decode side is gone: dropping the export below is all there is to do
+        finally:
+            if exporting:
+                self._bridge.post(lambda engine: engine.abort_request(export_id))
+            writer.close()
+            self._connections.discard(task)
+
+    async def _relay(
+        self, queue: asyncio.Queue[Any], reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> bool:
+        """Write the export's items until it ends; True if it is still running (the decode
+        side hung up first)."""
+        hangup = asyncio.ensure_future(reader.read(1))  # the decode side sends nothing more
+        try:
+            while True:
+                item = asyncio.ensure_future(queue.get())
+                await asyncio.wait({item, hangup}, return_when=asyncio.FIRST_COMPLETED)
+                if not item.done():
+                    item.cancel()
+                    return True
+                kind, *rest = item.result()
+                if kind == "blocks":
+                    first_block, blocks = rest
+                    header = {
+                        "type": "blocks",
+                        "first_block": first_block,
+                        "num_blocks": len(blocks),
+                    }
+                    payload = payload_view(blocks)
+                    writer.write(frame_prefix(header, len(payload)))
+                    writer.write(payload)
+                    await writer.drain()
+                    continue
+                if kind == "done":
+                    writer.write(frame_prefix({"type": "done", "cached_tokens": rest[0]}))
+                else:
+                    writer.write(frame_prefix({"type": "error", "message": rest[0]}))
+                await writer.drain()
+                return False
+        finally:
+            hangup.cancel()
+
+
+async def _send_quietly(writer: asyncio.StreamWriter, data: bytes) -> None:
+    try:
+        writer.write(data)
+        await writer.drain()
+    except OSError:
+        pass
+
+
+async def fetch_blocks(
+    address: tuple[str, int],
+    layout: KVBlockLayout,
+    token_ids: list[int],
+    first_block: int,
+    num_blocks: int,
+    install: Install,
+    frame_timeout_s: float,
+) -> int:
+    """Have the prefill worker at ``address`` compute blocks ``[0, num_blocks)`` of the
+    prompt and install ``[first_block, num_blocks)`` as they come; returns the prompt
+    tokens its cache served. Raises one of :data:`TRANSFER_ERRORS` on any failure."""
+    reader, writer = await asyncio.wait_for(asyncio.open_connection(*address), frame_timeout_s)
+    try:
+        request = {
+            "type": "prefill",
+            "token_ids": token_ids,
+            "first_block": first_block,
+            "num_blocks": num_blocks,
+            "layout": layout.to_json(),
+        }
+        writer.write(frame_prefix(request))
+        await writer.drain()
+        expected = first_block
+        while True:
+            header, payload = await asyncio.wait_for(read_frame(reader), frame_timeout_s)
+            kind = header["type"]
+            if kind == "blocks":
+                blocks = from_bytes(layout, payload)
+                if header.get("first_block") != expected or header.get("num_blocks") != len(blocks):
+                    raise ProtocolError(f"unexpected run {header!r} after block {expected}")
+                await install(expected, blocks)
+                expected += len(blocks)
+            elif kind == "done" and expected == num_blocks:
+                return int(header.get("cached_tokens", 0))
+            elif kind == "error":
+                raise PrefillFailed(str(header.get("message")))
+            else:
+                raise ProtocolError(f"unexpected frame {header!r} after block {expected}")
+    finally:
+        writer.close()
