@@ -14,14 +14,28 @@ def register(app: typer.Typer) -> None:
     @app.command(no_args_is_help=True)
     def router(
         worker_urls: Annotated[
-            list[str],
+            list[str] | None,
             typer.Option(
                 "--worker-urls",
                 help="Worker base URLs: --worker-urls URL [URL ...] (or repeat the flag).",
             ),
-        ],
+        ] = None,
         more_worker_urls: Annotated[
             list[str] | None, typer.Argument(hidden=True, metavar="[URL]...")
+        ] = None,
+        prefill: Annotated[
+            list[str] | None,
+            typer.Option(
+                help="PD mode: prefill worker URLs (repeat the flag, or A,B).",
+                rich_help_panel="Prefill/decode disaggregation",
+            ),
+        ] = None,
+        decode: Annotated[
+            list[str] | None,
+            typer.Option(
+                help="PD mode: decode worker URLs (repeat the flag, or A,B).",
+                rich_help_panel="Prefill/decode disaggregation",
+            ),
         ] = None,
         policy: Annotated[
             str,
@@ -120,7 +134,9 @@ def register(app: typer.Typer) -> None:
 
         try:
             config = RouterConfig(
-                worker_urls=(*worker_urls, *(more_worker_urls or ())),
+                worker_urls=(*(worker_urls or ()), *(more_worker_urls or ())),
+                prefill_urls=_url_list(prefill),
+                decode_urls=_url_list(decode),
                 policy=policy,
                 host=host,
                 port=port,
@@ -158,3 +174,8 @@ def register(app: typer.Typer) -> None:
         except ValueError as error:
             raise typer.BadParameter(str(error)) from error
         run_router(config)
+
+
+def _url_list(values: list[str] | None) -> tuple[str, ...]:
+    """Repeated flags and comma-separated lists alike."""
+    return tuple(url for value in values or () for url in value.split(",") if url)

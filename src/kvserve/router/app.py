@@ -13,11 +13,13 @@ import aiohttp
 import orjson
 from aiohttp import web
 
+from kvserve.core.routing.pd_pair import PDConfig
 from kvserve.router.config import RouterConfig
 from kvserve.router.errors import openai_error
 from kvserve.router.health import HealthChecker
 from kvserve.router.load_guard import LoadTracker
 from kvserve.router.metrics import RouterMetrics
+from kvserve.router.pd_proxy import PDProxy
 from kvserve.router.policies import make_policy
 from kvserve.router.policies.kv_aware import KvAwarePolicy
 from kvserve.router.proxy import Proxy
@@ -50,6 +52,9 @@ class Router:
         self.registry = WorkerRegistry(config.circuit_breaker)
         for url in config.worker_urls:
             self.registry.add(url)
+        for pool, urls in (("prefill", config.prefill_urls), ("decode", config.decode_urls)):
+            for url in urls:
+                self.registry.add(url, pool)
         self.policy = make_policy(config, time.monotonic())
         self._admin_key = config.admin_api_key or config.api_key
         self._session: aiohttp.ClientSession | None = None
@@ -61,15 +66,19 @@ class Router:
         connector = aiohttp.TCPConnector(limit=0)  # the fleet, not the pool, bounds load
         async with aiohttp.ClientSession(connector=connector) as session:
             self._session = session
-            self._proxy = Proxy(
-                self.config, self.registry, self.tracker, self.policy, self.metrics, session
-            )
+            proxy_args = (self.config, self.registry, self.tracker, self.policy, self.metrics)
+            if self.config.pd_mode:
+                self._proxy = PDProxy(*proxy_args, session, pd_config=PDConfig())
+            else:
+                self._proxy = Proxy(*proxy_args, session)
             self._health = HealthChecker(self.registry, self.config.health, self.metrics, session)
             await self._health.probe_all()
             tasks = [asyncio.create_task(self._health.run_forever())]
             if isinstance(self.policy, KvAwarePolicy):  # it follows the workers' KV events
                 subscriber = self.policy.subscribe(self.registry, session)
                 tasks.append(asyncio.create_task(subscriber.run_forever()))
+            if isinstance(self._proxy, PDProxy):  # decode headroom for the pair choice
+                tasks.append(asyncio.create_task(self._proxy.poll_decode_loads_forever()))
             yield
             for task in tasks:
                 task.cancel()
@@ -104,7 +113,8 @@ class Router:
         if not _bearer_matches(request, self.config.api_key):
             return _unauthorized()
         assert self._session is not None
-        for worker in self.registry.accepting(time.monotonic(), "regular"):
+        pool = "decode" if self.config.pd_mode else "regular"
+        for worker in self.registry.accepting(time.monotonic(), pool):
             try:
                 async with self._session.get(worker.url + "/v1/models") as upstream:
                     return web.Response(
@@ -175,6 +185,8 @@ class Router:
                 404, "no such worker", error_type="invalid_request_error", code="unknown_worker"
             )
         self.policy.forget_worker(worker.worker_id)
+        if isinstance(self._proxy, PDProxy):
+            self._proxy.forget_worker(worker.worker_id)
         with contextlib.suppress(KeyError):
             self.metrics.worker_healthy.remove(worker.worker_id)
         log.info("removed worker %s at %s", worker.worker_id, worker.url)

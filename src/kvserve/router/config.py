@@ -46,6 +46,8 @@ class HealthCheckConfig:
 @dataclass(frozen=True, slots=True)
 class RouterConfig:
     worker_urls: tuple[str, ...] = ()
+    prefill_urls: tuple[str, ...] = ()  # PD mode (with decode_urls): see router/pd_proxy.py
+    decode_urls: tuple[str, ...] = ()
     policy: str = "cache_aware"
     host: str = "127.0.0.1"
     port: int = 8000
@@ -69,3 +71,9 @@ class RouterConfig:
             raise ValueError(f"unknown policy {self.policy!r}; choose from {POLICY_NAMES}")
         if self.request_timeout_s <= 0 or self.max_request_bytes <= 0:
             raise ValueError("request timeout and size limit must be positive")
+        if self.prefill_urls and not self.decode_urls:
+            raise ValueError("prefill workers need decode workers (--decode)")
+
+    @property
+    def pd_mode(self) -> bool:
+        return bool(self.decode_urls)

@@ -131,19 +131,17 @@ class Proxy:
             worker=worker,
             decision=decision,
             query=query,
-            guard=self._tracker.acquire(worker.worker_id, query.prefill_tokens),
+            guard=self._acquire(worker, query, decision),
             started=self._clock(),
             headers={
                 "x-kvserve-worker": worker.worker_id,
                 "x-kvserve-decision": decision.header_value(),
             },
         )
+        url, headers = self._upstream(request, worker, decision)
         try:
             async with self._session.post(
-                worker.url + request.path,
-                data=raw,
-                headers=self._upstream_headers(request),
-                timeout=self._timeout,
+                url, data=raw, headers=headers, timeout=self._timeout
             ) as upstream:
                 if upstream.status in RETRYABLE_STATUSES:
                     self._record_failure(worker, f"status_{upstream.status}")
@@ -182,6 +180,16 @@ class Proxy:
             )
         finally:
             attempt.guard.release()
+
+    def _acquire(self, worker: Worker, query: RouteQuery, decision: RoutingDecision) -> LoadGuard:
+        """The load this attempt holds until it ends (PD mode holds two workers')."""
+        return self._tracker.acquire(worker.worker_id, query.prefill_tokens)
+
+    def _upstream(
+        self, request: web.Request, worker: Worker, decision: RoutingDecision
+    ) -> tuple[str, dict[str, str]]:
+        """Where the attempt goes and with which headers."""
+        return worker.url + request.path, self._upstream_headers(request)
 
     async def _relay_stream(
         self, request: web.Request, upstream: aiohttp.ClientResponse, attempt: _Attempt
