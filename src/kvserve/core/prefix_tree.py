@@ -270,7 +270,7 @@ class PrefixTree:
             if found is None:
                 raise NotCachedError(f"parent hash {parent_hash:#x} is not cached")
             parent_block = found
-        existing = self.match(hashes[:num_cached])
+        existing = self.match(hashes[:num_cached]) if num_cached else []
         if len(existing) < num_cached:
             self._drop_pins(existing)
             raise InconsistentChainError(
