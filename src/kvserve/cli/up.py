@@ -64,6 +64,10 @@ def register(app: typer.Typer) -> None:
         host: Annotated[str, typer.Option(help="Router address.")] = "127.0.0.1",
         port: Annotated[int, typer.Option(help="Router port.")] = 8000,
         start_timeout: Annotated[float, typer.Option(help="Seconds to wait for health.")] = 180,
+        prefill: Annotated[int, typer.Option(min=0, help="PD mode: prefill workers.")] = 0,
+        decode: Annotated[
+            int, typer.Option(min=0, help="PD mode: decode workers (replace --workers).")
+        ] = 0,
     ) -> None:
         """Start workers and a router on this machine; Ctrl-C stops everything."""
         from kvserve.router.config import POLICY_NAMES
@@ -75,9 +79,22 @@ def register(app: typer.Typer) -> None:
             )
         model_dir = model.resolve() if model else tiny_model_dir()
         log_dir = Path(tempfile.mkdtemp(prefix="kvserve-up-"))
+        if prefill and not decode:
+            raise typer.BadParameter(
+                "prefill workers need --decode workers", param_hint="--prefill"
+            )
         fleet = LocalFleet(
-            model_dir, workers=workers, policy=policy, host=host, port=port, log_dir=log_dir
+            model_dir,
+            workers=workers,
+            policy=policy,
+            host=host,
+            port=port,
+            log_dir=log_dir,
+            prefill=prefill,
+            decode=decode,
         )
+        if decode:
+            workers = prefill + decode
         for signum in (signal.SIGINT, signal.SIGTERM):  # SIGINT too: `&` in a script ignores it
             signal.signal(signum, _raise_keyboard_interrupt)
         typer.echo(f"starting {workers} worker(s) on {model_dir.name} (logs: {log_dir}) ...")

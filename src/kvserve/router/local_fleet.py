@@ -134,11 +134,17 @@ class LocalFleet:
         host: str,
         port: int,
         log_dir: Path,
+        prefill: int = 0,
+        decode: int = 0,
     ) -> None:
-        if workers < 1:
+        if prefill and not decode:
+            raise ValueError("prefill workers need decode workers")
+        # PD mode (decode > 0): prefill and decode workers instead of mixed ones.
+        self._roles = ["prefill"] * prefill + ["decode"] * decode if decode else ["mixed"] * workers
+        if not self._roles:
             raise ValueError("a fleet needs at least one worker")
         self._model_dir = model_dir
-        self._workers = workers
+        self._workers = len(self._roles)
         self._policy = policy
         self._host = host
         self._port = port
@@ -155,15 +161,17 @@ class LocalFleet:
         env = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", threads)}
         try:
             workers = []
-            for index in range(self._workers):
+            for index, role in enumerate(self._roles):
                 port = free_port()
                 args = [*KVSERVE_COMMAND, "worker", "--model", str(self._model_dir)]
-                args += ["--host", "127.0.0.1", "--port", str(port)]
+                args += ["--host", "127.0.0.1", "--port", str(port), "--role", role]
                 workers.append(self._spawn(f"worker{index}", args, f"http://127.0.0.1:{port}", env))
             for worker in workers:
                 worker.wait_healthy(timeout_s)
             args = [*KVSERVE_COMMAND, "router", "--policy", self._policy, "--host", self._host]
-            args += ["--port", str(self._port), "--worker-urls", *(w.url for w in workers)]
+            args += ["--port", str(self._port)]
+            for worker, role in zip(workers, self._roles, strict=True):
+                args += ["--worker-urls" if role == "mixed" else f"--{role}", worker.url]
             self._spawn("router", args, self.url, env).wait_healthy(timeout_s)
         except BaseException:
             self.stop()

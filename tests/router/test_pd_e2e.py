@@ -1,0 +1,229 @@
+"""Prefill/decode disaggregation end to end: real workers (one prefill, two decode, one
+mixed for reference) behind a PD router; greedy output, cache hits on both sides, and
+every way a request can be cut short leaving every worker and the router at baseline."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import orjson
+import pytest
+
+from kvserve.router.local_fleet import KVSERVE_COMMAND, ServerProcess
+from tests.support.metrics_text import by_label, samples
+from tests.support.ports import free_port
+
+NUM_BLOCKS = 512
+GREEDY = {"model": "tiny", "temperature": 0, "ignore_eos": True, "max_tokens": 12}
+GAUGES = ("kvserve_router_in_flight_requests", "kvserve_router_in_flight_prefill_tokens")
+
+
+def words(tag: str, count: int) -> str:
+    return " ".join(f"{tag}{i}" for i in range(count))
+
+
+def start_worker(model_dir: Path, *options: str) -> ServerProcess:
+    port = free_port()
+    args = [*KVSERVE_COMMAND, "worker", "--model", str(model_dir), "--port", str(port)]
+    args += ["--num-blocks", str(NUM_BLOCKS), "--device", "cpu", "--served-model-name", "tiny"]
+    args += options
+    return ServerProcess(args, f"http://127.0.0.1:{port}", name="worker", env=_ONE_THREAD)
+
+
+_ONE_THREAD = {"OMP_NUM_THREADS": "1"}
+
+
+class Fleet:
+    def __init__(self, model_dir: Path) -> None:
+        # A small step budget makes a long prompt's prefill last long enough to cut into.
+        self.model_dir = model_dir
+        self.prefill = start_worker(
+            model_dir, "--role", "prefill", "--max-num-batched-tokens", "32"
+        )
+        self.decodes = [start_worker(model_dir, "--role", "decode") for _ in range(2)]
+        self.mixed = start_worker(model_dir)
+        for worker in [*self.workers, self.mixed]:
+            worker.wait_healthy(120)
+        port = free_port()
+        args = [*KVSERVE_COMMAND, "router", "--port", str(port), "--prefill", self.prefill.url]
+        args += ["--decode", ",".join(d.url for d in self.decodes), "--health-check-interval", "1"]
+        args += ["--max-retries", "2", "--retry-initial-backoff", "0.01"]
+        self.router = ServerProcess(args, f"http://127.0.0.1:{port}", name="router").wait_healthy()
+
+    @property
+    def workers(self) -> list[ServerProcess]:
+        return [self.prefill, *self.decodes]
+
+    def stop(self) -> None:
+        for process in [self.router, *self.workers, self.mixed]:
+            process.stop()
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
+    from kvserve.engine.tiny_model import make_tiny_model
+
+    fleet = Fleet(make_tiny_model(tmp_path_factory.mktemp("pd-model"), "llama"))
+    try:
+        yield fleet
+    finally:
+        fleet.stop()
+
+
+def complete(url: str, prompt: str, **extra: Any) -> httpx.Response:
+    response = httpx.post(
+        url + "/v1/completions", json={**GREEDY, "prompt": prompt, **extra}, timeout=60
+    )
+    assert response.status_code == 200, response.text
+    return response
+
+
+def cached_tokens(response: httpx.Response) -> int:
+    return response.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+
+def reason(response: httpx.Response) -> str:
+    return response.headers["x-kvserve-decision"].split("reason=")[1].split(";")[0]
+
+
+def load(worker: ServerProcess) -> dict[str, Any]:
+    return httpx.get(worker.url + "/load", timeout=5).json()
+
+
+def assert_at_baseline(fleet: Fleet, within_s: float = 10.0) -> None:
+    """Nothing running anywhere, every block free or cached, ledgers sound, gauges zero."""
+    deadline = time.monotonic() + within_s
+    while True:
+        state = {w.url: load(w) for w in fleet.workers if w.alive()}
+        gauges = {g: by_label(samples(fleet.router.url + "/metrics"), g, "worker") for g in GAUGES}
+        idle = all(
+            s["running"] == 0
+            and s["waiting"] == 0
+            and s["free_blocks"] + s["cached_blocks"] == NUM_BLOCKS
+            for s in state.values()
+        ) and all(v == 0 for per_worker in gauges.values() for v in per_worker.values())
+        if idle:
+            break
+        if time.monotonic() > deadline:
+            pytest.fail(f"not at baseline: {state} {gauges}")
+        time.sleep(0.05)
+    for worker in fleet.workers:
+        if worker.alive():
+            assert httpx.get(worker.url + "/debug/check", timeout=5).json() == {"ok": True}
+
+
+def test_pd_output_is_the_mixed_workers_greedy_output(fleet: Fleet) -> None:
+    for tag in ("alpha", "beta"):
+        prompt = words(tag, 120)
+        pd = complete(fleet.router.url, prompt)
+        assert reason(pd) == "remote"
+        assert (
+            pd.json()["choices"][0]["text"]
+            == complete(fleet.mixed.url, prompt).json()["choices"][0]["text"]
+        )
+    chat = {"messages": [{"role": "user", "content": words("gamma", 100)}], **GREEDY}
+    answers = [
+        httpx.post(url + "/v1/chat/completions", json=chat, timeout=60).json()
+        for url in (fleet.router.url, fleet.mixed.url)
+    ]
+    assert answers[0]["choices"][0]["message"] == answers[1]["choices"][0]["message"]
+    assert_at_baseline(fleet)
+
+
+def test_prefill_cache_hits_and_decode_side_reuse(fleet: Fleet) -> None:
+    shared = words("shared", 150)
+    complete(fleet.router.url, shared + " " + words("first", 50))
+    second = shared + " " + words("second", 50)
+    hit = complete(fleet.router.url, second)
+    assert reason(hit) == "remote"
+    assert cached_tokens(hit) >= 16 * 20  # the prefill worker's cache served the shared part
+    again = complete(fleet.router.url, second)  # the decode worker holds it all now
+    assert reason(again).startswith("local") and cached_tokens(again) > cached_tokens(hit)
+    direct = httpx.post(
+        f"{fleet.decodes[0].url}/pd/v1/completions",
+        json={**GREEDY, "prompt": second},
+        headers={"x-kvserve-prefill": fleet.prefill.url},
+        timeout=60,
+    )
+    decode_held = httpx.post(
+        f"{fleet.decodes[1].url}/pd/v1/completions",
+        json={**GREEDY, "prompt": second},
+        headers={"x-kvserve-prefill": fleet.prefill.url},
+        timeout=60,
+    )
+    assert {direct.headers["x-kvserve-pd"], decode_held.headers["x-kvserve-pd"]} == {
+        "local",
+        "remote",
+    }
+    assert direct.json()["choices"] == decode_held.json()["choices"]
+    assert_at_baseline(fleet)
+
+
+def _long_prompt(tag: str) -> str:
+    return f"{tag} {words('w', 800)}"  # about 3,000 tokens: ~95 prefill steps of 32 tokens
+
+
+def _wait_for_prefill_running(fleet: Fleet) -> None:
+    deadline = time.monotonic() + 20
+    while load(fleet.prefill)["running"] == 0:
+        assert time.monotonic() < deadline, "the prefill worker never started the export"
+        time.sleep(0.01)
+
+
+def test_client_cut_mid_transfer_releases_everything(fleet: Fleet) -> None:
+    body = orjson.dumps({**GREEDY, "prompt": _long_prompt("cut"), "stream": True})
+    host, port = fleet.router.url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port))) as client:
+        client.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            + f"Content-Length: {len(body)}\r\n\r\n".encode()
+            + body
+        )
+        _wait_for_prefill_running(fleet)
+    assert_at_baseline(fleet)
+    assert complete(fleet.router.url, words("after-cut", 100)).status_code == 200
+
+
+def _in_background(url: str, prompt: str) -> tuple[threading.Thread, list[Any]]:
+    result: list[Any] = []
+
+    def send() -> None:
+        try:
+            result.append(
+                httpx.post(url + "/v1/completions", json={**GREEDY, "prompt": prompt}, timeout=60)
+            )
+        except httpx.HTTPError as error:
+            result.append(error)
+
+    thread = threading.Thread(target=send)
+    thread.start()
+    return thread, result
+
+
+def test_decode_worker_killed_mid_transfer(fleet: Fleet) -> None:
+    free = {d.url: load(d)["free_blocks"] for d in fleet.decodes}
+    thread, result = _in_background(fleet.router.url, _long_prompt("dkill"))
+    _wait_for_prefill_running(fleet)
+    victim = next(d for d in fleet.decodes if load(d)["free_blocks"] < free[d.url])  # reserved
+    victim.kill()
+    thread.join(60)
+    assert result[0].status_code == 200  # nothing had reached the client: retried elsewhere
+    assert_at_baseline(fleet)  # the prefill worker dropped the export when decode vanished
+    for tag in ("after-dkill-1", "after-dkill-2"):
+        assert complete(fleet.router.url, words(tag, 100)).status_code == 200
+
+
+def test_prefill_worker_killed_mid_request(fleet: Fleet) -> None:
+    thread, result = _in_background(fleet.router.url, _long_prompt("pkill"))
+    _wait_for_prefill_running(fleet)
+    fleet.prefill.kill()
+    thread.join(60)
+    assert result[0].status_code == 200  # the decode worker prefilled it itself
+    assert_at_baseline(fleet)
+    assert complete(fleet.router.url, words("after-pkill", 100)).status_code == 200
