@@ -116,6 +116,10 @@ def test_matching_again_while_owning_blocks_is_refused():
     # Owning nothing yet, b may retry its match (the scheduler's admission retry).
     assert kv.match_prefix("b", reusable(prompt), len(prompt)) == 2
     kv.check()
+    before = (kv.block_table("b"), kv.snapshot(), kv.stats.queries)
+    with pytest.raises(ValueError, match="do not fit in a query of 2 tokens"):
+        kv.match_prefix("b", reusable(prompt), 2)
+    assert (kv.block_table("b"), kv.snapshot(), kv.stats.queries) == before
     assert kv.allocate_slots("b", len(prompt))
     with pytest.raises(RequestStateError, match="'b' owns blocks"):
         kv.match_prefix("b", reusable(prompt), len(prompt))

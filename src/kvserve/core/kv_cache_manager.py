@@ -94,13 +94,13 @@ class KVCacheManager:
         that owns blocks must be freed before it matches again.
         """
         previous = self._requests.get(request_id)
-        if previous is not None:
-            if previous.owned_blocks():
-                raise RequestStateError(
-                    f"request {request_id!r} owns blocks: free it before matching again"
-                )
-            self.free_request(request_id)
+        if previous is not None and previous.owned_blocks():
+            raise RequestStateError(
+                f"request {request_id!r} owns blocks: free it before matching again"
+            )
         blocks = self._ledger.match(hashes, num_query_tokens)
+        if previous is not None:
+            self.free_request(request_id)
         self._requests[request_id] = _RequestBlocks(table=blocks, pinned=blocks.copy())
         return len(blocks)
 
