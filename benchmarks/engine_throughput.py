@@ -1,15 +1,23 @@
 """Engine speed: kvserve vs ``transformers.generate``, and cached-prefix vs cold TTFT.
 
-Both figures are ratios measured side by side in one run on the same tiny random model
-(made here, no download) and the same prompts:
+All figures are ratios measured side by side in one run on the same tiny random model
+(made here, no download) and the same prompts, greedy, EOS off (every request produces
+exactly its ``max_tokens``; vLLM's offline benchmark does the same):
 
-- offline throughput (generated tokens/s) at batch ``--batch``: kvserve's ``LLM.generate``
-  vs ``transformers``' batched ``generate`` (left-padded, KV cache on), greedy, EOS off;
-- time to first token of a ``--ttft-prompt``-token prompt whose first 90% is in the
-  prefix cache vs the same length cold, through ``LLMEngine`` steps.
+- **uniform**: ``--batch`` prompts of ``--prompt-len``/2 to ``--prompt-len`` random tokens,
+  ``--output-len`` tokens each. ``transformers`` runs them as one left-padded batch; no
+  row finishes early, so its static batching wastes nothing but the padding.
+- **varied**: ``--varied-requests`` prompts of 32-512 tokens asking 16-256 tokens each,
+  the usual offline workload. ``transformers`` runs them in arrival order in left-padded
+  batches of ``--batch``, each generating its longest request's count (rows that asked
+  for fewer are cut afterwards, as in vLLM's ``run_hf``); kvserve queues all of them with
+  ``max_num_seqs=--batch`` and continuous batching. Only requested tokens count.
+- **TTFT** of a ``--ttft-prompt``-token prompt whose first 90% is in the prefix cache vs
+  the same length cold, through ``LLMEngine`` steps.
 
 Rounds alternate between the contenders so machine noise hits both alike; the best round
 (least disturbed by other jobs on a shared machine) and the median are both reported.
+Both sides run with ``--threads`` torch threads.
 Run: ``python benchmarks/engine_throughput.py [--arch llama] [--rounds 5]``.
 """
 
@@ -21,6 +29,7 @@ import statistics
 import tempfile
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -29,6 +38,19 @@ import transformers
 from kvserve import LLM, SamplingParams
 from kvserve.engine.llm_engine import LLMEngine
 from kvserve.engine.tiny_model import ARCHES, make_tiny_model
+
+
+@dataclass(frozen=True)
+class Workload:
+    """Prompt lengths and output counts; fresh random tokens are drawn for every round."""
+
+    name: str
+    prompt_lengths: list[int]
+    output_lengths: list[int]
+
+    @property
+    def output_tokens(self) -> int:
+        return sum(self.output_lengths)
 
 
 def random_prompt(length: int, rng: random.Random, vocab_size: int) -> list[int]:
@@ -52,24 +74,38 @@ def hf_generate(model, prompts: list[list[int]], max_new_tokens: int) -> None:
     assert out.shape[1] == width + max_new_tokens
 
 
-def throughput(args: argparse.Namespace, model_dir: Path) -> tuple[list[float], list[float]]:
-    """Seconds per round of (kvserve, transformers) for the whole batch."""
+def hf_static_batches(model, prompts: list[list[int]], outputs: list[int], batch: int) -> None:
+    """Consecutive batches, each run until its longest request is done."""
+    for first in range(0, len(prompts), batch):
+        hf_generate(model, prompts[first : first + batch], max(outputs[first : first + batch]))
+
+
+def kvserve_generate(llm: LLM, prompts: list[list[int]], outputs: list[int]) -> None:
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in outputs]
+    results = llm.generate(prompts, params)
+    assert [len(r.token_ids) for r in results] == outputs
+
+
+def throughput(
+    args: argparse.Namespace, model_dir: Path, workloads: list[Workload]
+) -> dict[str, tuple[list[float], list[float]]]:
+    """Seconds per round of (kvserve, transformers) for each whole workload."""
     hf_model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     llm = LLM(model_dir, max_num_seqs=args.batch, max_num_batched_tokens=args.budget)
     vocab_size = llm.engine.runner.config.vocab_size
     rng = random.Random(0)
-    lengths = [rng.randint(args.prompt_len // 2, args.prompt_len) for _ in range(args.batch)]
-    params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
-    kvserve_s, hf_s = [], []
+    seconds: dict[str, tuple[list[float], list[float]]] = {w.name: ([], []) for w in workloads}
     for round_index in range(args.rounds + 1):  # round 0 warms both up
-        # Fresh prompts each round: the prefix cache must not serve earlier rounds.
-        prompts = [random_prompt(n, rng, vocab_size) for n in lengths]
-        k = timed(lambda: llm.generate(prompts, params))  # noqa: B023
-        h = timed(lambda: hf_generate(hf_model, prompts, args.output_len))  # noqa: B023
-        if round_index:
-            kvserve_s.append(k)
-            hf_s.append(h)
-    return kvserve_s, hf_s
+        for workload in workloads:
+            # Fresh prompts each round: the prefix cache must not serve earlier rounds.
+            prompts = [random_prompt(n, rng, vocab_size) for n in workload.prompt_lengths]
+            outputs = workload.output_lengths
+            k = timed(lambda: kvserve_generate(llm, prompts, outputs))  # noqa: B023
+            h = timed(lambda: hf_static_batches(hf_model, prompts, outputs, args.batch))  # noqa: B023
+            if round_index:
+                seconds[workload.name][0].append(k)
+                seconds[workload.name][1].append(h)
+    return seconds
 
 
 def first_token_seconds(engine: LLMEngine, request_id: str, prompt: list[int]) -> float:
@@ -98,6 +134,22 @@ def ttft(args: argparse.Namespace, model_dir: Path) -> tuple[list[float], list[f
     return cold_s, cached_s
 
 
+def make_workloads(args: argparse.Namespace) -> list[Workload]:
+    rng = random.Random(2)
+    uniform = Workload(
+        "uniform",
+        [rng.randint(args.prompt_len // 2, args.prompt_len) for _ in range(args.batch)],
+        [args.output_len] * args.batch,
+    )
+    count = args.varied_requests
+    varied = Workload(
+        "varied",
+        [rng.randint(32, 512) for _ in range(count)],
+        [rng.randint(16, 256) for _ in range(count)],
+    )
+    return [uniform, varied]
+
+
 def best_and_median(seconds: list[float]) -> tuple[float, float]:
     return min(seconds), statistics.median(seconds)
 
@@ -108,27 +160,37 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--varied-requests", type=int, default=128)
     parser.add_argument("--ttft-prompt", type=int, default=2048)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--budget", type=int, default=512, help="kvserve tokens per step")
     parser.add_argument("--threads", type=int, default=1, help="torch threads for both")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    workloads = make_workloads(args)
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = make_tiny_model(Path(tmp) / args.arch, args.arch, seed=0)
-        ours, theirs = throughput(args, model_dir)
+        seconds = throughput(args, model_dir, workloads)
         cold, cached = ttft(args, model_dir)
     print(
-        f"tiny {args.arch}, batch {args.batch}, prompts <= {args.prompt_len} tokens, "
-        f"{args.output_len} generated each, budget {args.budget}, {args.rounds} rounds, "
-        f"{args.threads} thread(s)"
+        f"tiny {args.arch}, max batch {args.batch}, budget {args.budget} tokens/step, "
+        f"{args.rounds} rounds, {torch.get_num_threads()} torch thread(s) for both"
     )
-    tokens = args.batch * args.output_len
-    for label, k, h in zip(("best", "median"), *map(best_and_median, (ours, theirs)), strict=True):
+    for workload in workloads:
+        ours, theirs = seconds[workload.name]
+        tokens = workload.output_tokens
         print(
-            f"throughput ({label:6})  kvserve {tokens / k:8.1f} tok/s   "
-            f"transformers {tokens / h:8.1f} tok/s   ratio {h / k:.2f}x"
+            f"{workload.name}: {len(workload.prompt_lengths)} requests, prompts "
+            f"{min(workload.prompt_lengths)}-{max(workload.prompt_lengths)} tokens, "
+            f"{tokens} output tokens"
         )
+        for label, k, h in zip(
+            ("best", "median"), *map(best_and_median, (ours, theirs)), strict=True
+        ):
+            print(
+                f"  throughput ({label:6})  kvserve {tokens / k:8.1f} tok/s   "
+                f"transformers {tokens / h:8.1f} tok/s   ratio {h / k:.2f}x"
+            )
     for label, c, w in zip(("best", "median"), *map(best_and_median, (cold, cached)), strict=True):
         print(
             f"TTFT {args.ttft_prompt} tokens ({label:6})  cold {c * 1000:7.1f} ms   "
