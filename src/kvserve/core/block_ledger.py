@@ -124,6 +124,11 @@ class BlockLedger:
         """``(hash, parent_hash)`` of every cached block, parents first."""
         return list(self._tree.items())
 
+    def lookup(self, hashes: Sequence[int]) -> list[int]:
+        """The blocks of the longest cached prefix of ``hashes``: no pin, not counted as a
+        query (for copying blocks out between steps, when nothing can evict them)."""
+        return self._tree.lookup(hashes)
+
     def pinned_counts(self) -> dict[int, int]:
         """Ref count of every pinned block."""
         tree = self._tree

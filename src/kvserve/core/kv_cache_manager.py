@@ -156,6 +156,11 @@ class KVCacheManager:
         ledger.unpin(request.pinned[::-1])  # deepest first: cheapest for the tree
         ledger.free(request.owned_blocks())
 
+    def lookup_prefix(self, hashes: Sequence[int]) -> list[int]:
+        """The blocks of the longest cached prefix of ``hashes``, neither pinned nor
+        counted: valid only until the next allocation may evict them."""
+        return self._ledger.lookup(hashes)
+
     # ---------------------------------------------------------------- whole cache
 
     def evict(self, num_blocks: int) -> int:

@@ -119,6 +119,20 @@ class PrefixTree:
                 return i
         return len(hashes)
 
+    def lookup(self, hashes: Sequence[int]) -> list[int]:
+        """The blocks of the longest cached path of ``hashes``, without pinning them."""
+        block_of = self._block_of
+        parent = self._parent
+        found: list[int] = []
+        previous = _NO_PARENT
+        for block_hash in hashes:
+            block = block_of.get(block_hash)
+            if block is None or (found and parent[block] != previous):
+                break
+            found.append(block)
+            previous = block
+        return found
+
     # ---------------------------------------------------------------- pins
 
     def match(self, hashes: Sequence[int]) -> list[int]:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import bisect
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kvserve.core.kv_cache_manager import KVCacheManager
@@ -104,6 +105,9 @@ class Scheduler:
         self._requests: dict[str, Request] = {}
         self._next_arrival = 0
         self.stats = PrefixCacheStats()
+        # Asked before admitting a waiting request; False: its KV is still being loaded
+        # from a lower tier (the engine's KV tiers), so it waits and later ones may go.
+        self.admission_gate: Callable[[Request], bool] | None = None
 
     # -- requests in and out -------------------------------------------------------
 
@@ -184,15 +188,24 @@ class Scheduler:
 
     def _admit_waiting(self, plan: _StepPlan) -> None:
         capacity = self.kv_cache.num_blocks * self.block_size
-        while self.waiting and plan.budget > 0 and len(self.running) < self.config.max_num_seqs:
-            request = self.waiting[0]
+        gate = self.admission_gate
+        index = 0  # waiting requests before it are still loading their KV: they wait
+        while (
+            index < len(self.waiting)
+            and plan.budget > 0
+            and len(self.running) < self.config.max_num_seqs
+        ):
+            request = self.waiting[index]
             if request.max_num_tokens > capacity:
-                self.waiting.pop(0)
+                self.waiting.pop(index)
                 self._reject(request, plan)
+                continue
+            if gate is not None and not gate(request):
+                index += 1
                 continue
             if not self._try_admit(request, plan):
                 return
-            self.waiting.pop(0)
+            self.waiting.pop(index)
             request.status = RequestStatus.RUNNING
             bisect.insort(self.running, request, key=_by_arrival)
 
