@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 from fastapi import APIRouter, Request
 from starlette.responses import Response
@@ -28,8 +28,8 @@ from kvserve.worker.metrics import WorkerMetrics
 from kvserve.worker.openai_api import OpenAIEndpoints
 from kvserve.worker.pd_decode import PDDecodeSession, PrefillPeers
 from kvserve.worker.pd_transfer import PrefillTransferServer
-from kvserve.worker.protocol import ChatCompletionRequest, CompletionRequest
-from kvserve.worker.responses import CHAT, COMPLETION
+from kvserve.worker.protocol import ChatCompletionRequest, CompletionRequest, SamplingRequest
+from kvserve.worker.responses import CHAT, COMPLETION, ResponseFormat
 
 PREFILL_HEADER = "x-kvserve-prefill"
 PATH_HEADER = "x-kvserve-pd"
@@ -65,10 +65,23 @@ class PDService:
             await asyncio.sleep(LEASE_SWEEP_INTERVAL_S)
             self._bridge.post(lambda engine: engine.expire_leases(time.monotonic()))
 
-    def _endpoints(self, request: Request) -> tuple[OpenAIEndpoints, PDDecodeSession]:
+    async def _respond(
+        self,
+        request: Request,
+        body: SamplingRequest,
+        fmt: ResponseFormat,
+        prompt_of: Callable[[OpenAIEndpoints], str | list[int]],
+        max_tokens: int | None,
+    ) -> Response:
+        """As the ``/v1`` route would, with the PD session in the engine's place."""
         prefill_url = request.headers.get(PREFILL_HEADER) or None
         session = PDDecodeSession(self._bridge, self._peers, prefill_url, request.receive)
-        return OpenAIEndpoints(session, self._metrics, self._config.api_key), session  # type: ignore[arg-type]
+        endpoints = OpenAIEndpoints(session, self._metrics, self._config.api_key)  # type: ignore[arg-type]
+        await endpoints.check_api_key(request)
+        endpoints.check_model(body)
+        response = await endpoints.generate(request, body, fmt, prompt_of(endpoints), max_tokens)
+        response.headers[PATH_HEADER] = session.path
+        return response
 
     def _build_router(self) -> APIRouter:
         router = APIRouter()
@@ -86,23 +99,13 @@ class PDService:
 
         @router.post("/pd/v1/completions")
         async def completion(request: Request, body: CompletionRequest) -> Response:
-            endpoints, session = self._endpoints(request)
-            await endpoints.check_api_key(request)
-            endpoints.check_model(body)
             max_tokens = body.max_tokens if body.max_tokens is not None else 16
-            response = await endpoints.generate(request, body, COMPLETION, body.prompt, max_tokens)
-            response.headers[PATH_HEADER] = session.path
-            return response
+            return await self._respond(request, body, COMPLETION, lambda _: body.prompt, max_tokens)
 
         @router.post("/pd/v1/chat/completions")
         async def chat_completion(request: Request, body: ChatCompletionRequest) -> Response:
-            endpoints, session = self._endpoints(request)
-            await endpoints.check_api_key(request)
-            endpoints.check_model(body)
-            prompt = endpoints.chat_prompt(body)
-            max_tokens = body.requested_max_tokens()
-            response = await endpoints.generate(request, body, CHAT, prompt, max_tokens)
-            response.headers[PATH_HEADER] = session.path
-            return response
+            return await self._respond(
+                request, body, CHAT, lambda e: e.chat_prompt(body), body.requested_max_tokens()
+            )
 
         return router
