@@ -7,6 +7,7 @@ import time
 from collections.abc import Callable
 
 import httpx
+
 from tests.support.metrics_text import by_label, samples
 from tests.support.ports import free_port
 from tests.support.processes import start_foreign_server, start_router

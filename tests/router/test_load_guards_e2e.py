@@ -11,6 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
+
 from tests.support.metrics_text import by_label, samples
 from tests.support.ports import free_port
 from tests.support.processes import ServerProcess, start_router

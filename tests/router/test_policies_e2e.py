@@ -8,6 +8,7 @@ from collections.abc import Iterator
 import httpx
 import openai
 import pytest
+
 from tests.support.ports import free_port
 from tests.support.processes import ServerProcess, start_router
 

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import httpx
 import pytest
-from tests.support.ports import free_port
 
 from kvserve.router.local_fleet import KVSERVE_COMMAND, ServerProcess
+from tests.support.ports import free_port
 
 SYSTEM = "You are a careful assistant. Always answer in exactly one short sentence. " * 3
 

@@ -7,9 +7,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from tests.worker.worker_process import start_worker
 
 from kvserve.router.local_fleet import ServerProcess
+from tests.worker.worker_process import start_worker
 
 # The worker inherits these: two cores are shared by every test process.
 os.environ.setdefault("OMP_NUM_THREADS", "1")

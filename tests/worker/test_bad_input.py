@@ -6,9 +6,9 @@ from typing import Any
 
 import httpx
 import pytest
-from tests.worker.worker_process import API_KEY, api, served_model
 
 from kvserve.router.local_fleet import ServerProcess
+from tests.worker.worker_process import API_KEY, api, served_model
 
 
 def valid(worker: ServerProcess, **changes: Any) -> dict[str, Any]:

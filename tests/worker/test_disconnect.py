@@ -8,9 +8,9 @@ import time
 from typing import Any
 
 import httpx
-from tests.worker.worker_process import AUTH, load, served_model
 
 from kvserve.router.local_fleet import ServerProcess
+from tests.worker.worker_process import AUTH, load, served_model
 
 NUM_CLIENTS = 50
 CHUNKS_BEFORE_HANGING_UP = 3

@@ -15,9 +15,9 @@ import schemathesis
 from hypothesis import HealthCheck, given, settings
 from schemathesis import GenerationMode
 from schemathesis.checks import not_a_server_error
-from tests.worker.worker_process import AUTH, served_model
 
 from kvserve.router.local_fleet import ServerProcess
+from tests.worker.worker_process import AUTH, served_model
 
 # Generated lengths are clamped so that each case costs milliseconds, not a full context
 # of decoding; the parameters' validation is exercised all the same.

@@ -6,9 +6,9 @@ import threading
 import time
 
 import httpx
-from tests.worker.worker_process import BLOCK_SIZE, api
 
 from kvserve.router.local_fleet import ServerProcess
+from tests.worker.worker_process import BLOCK_SIZE, api
 
 
 def complete(worker: ServerProcess, prompt: list[int]) -> None:

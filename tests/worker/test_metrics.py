@@ -5,9 +5,9 @@ from __future__ import annotations
 import re
 
 import httpx
-from tests.worker.worker_process import api
 
 from kvserve.router.local_fleet import ServerProcess
+from tests.worker.worker_process import api
 
 
 def sample(metrics: str, name: str) -> float:

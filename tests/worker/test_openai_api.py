@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import httpx
-from tests.worker.worker_process import api, load, openai_client, served_model
 
 from kvserve.router.local_fleet import ServerProcess
+from tests.worker.worker_process import api, load, openai_client, served_model
 
 IGNORE_EOS = {"ignore_eos": True}
 

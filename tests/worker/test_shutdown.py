@@ -7,9 +7,9 @@ import threading
 from pathlib import Path
 
 import httpx
-from tests.worker.worker_process import AUTH, served_model, start_worker
 
 from kvserve.router.local_fleet import ServerProcess
+from tests.worker.worker_process import AUTH, served_model, start_worker
 
 
 class StreamReader(threading.Thread):
