@@ -102,11 +102,6 @@ class CostModel:
             + (self.context_token_s + self.attention_pair_s) * total_context
         )
 
-    def prefill_token_s(self, context: int = 0) -> float:
-        """Marginal seconds of one more prompt token at ``context`` tokens into the prompt:
-        what a router multiplies uncached tokens by to predict time to first token."""
-        return self.new_token_s + self.context_token_s + self.attention_pair_s * (context + 1)
-
 
 PROFILES: dict[str, CostModel] = {
     "llama3-8b-h100": CostModel(

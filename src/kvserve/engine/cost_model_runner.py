@@ -25,19 +25,11 @@ _UNLIKELY = -1e4  # logit of every token but the filler: exp() underflows to 0
 
 
 class CostModelRunner:
-    def __init__(
-        self,
-        model_dir: str | Path,
-        cost: CostModel,
-        *,
-        sleep: bool = True,
-    ) -> None:
+    def __init__(self, model_dir: str | Path, cost: CostModel) -> None:
         self.config = ModelConfig.from_dir(model_dir)
         self.device = torch.device("cpu")
         self.cost = cost
-        self._sleep = sleep
         self.filler_token_id = self._filler(self.config)
-        self.modelled_s = 0.0  # total modelled time, for tests and reports
 
     @staticmethod
     def _filler(config: ModelConfig) -> int:
@@ -48,9 +40,7 @@ class CostModelRunner:
     def forward(self, batch: list[SequenceBatchItem]) -> torch.Tensor:
         started = time.perf_counter()
         step_s = self.cost.step_time((item.start_pos, len(item.token_ids)) for item in batch)
-        self.modelled_s += step_s
         logits = torch.full((len(batch), self.config.vocab_size), _UNLIKELY)
         logits[:, self.filler_token_id] = 0.0
-        if self._sleep:
-            time.sleep(max(0.0, step_s - (time.perf_counter() - started)))
+        time.sleep(max(0.0, step_s - (time.perf_counter() - started)))
         return logits

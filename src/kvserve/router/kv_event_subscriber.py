@@ -3,9 +3,11 @@
 One task per worker: take ``/kv/snapshot`` (replace that worker's view), then long-poll
 ``/kv/events?after=SEQ`` and apply each event in order. A ``410`` (the worker's bounded
 history passed us by, or it restarted) or a sequence gap means resync from a snapshot:
-the index never silently skips an event. An unreachable worker is retried with backoff
-and, being possibly restarted, resynced. The fleet is reconciled with the registry every
-``reconcile_s``: new workers are followed, removed ones forgotten (index and task).
+the index never silently skips an event. Polls are spaced ``batch_s`` apart while events
+flow, so following a busy fleet costs a few requests per second per worker. An
+unreachable worker is retried with backoff and, being possibly restarted, resynced. The
+fleet is reconciled with the registry every ``reconcile_s``: new workers are followed,
+removed ones forgotten (index and task).
 Wire format: docs/internals.md, "Worker KV events API".
 """
 
@@ -49,6 +51,7 @@ class KVEventSubscriber:
         on_worker_info: Callable[[str, WorkerKVInfo], None] | None = None,
         on_forget: Callable[[str], None] | None = None,
         poll_timeout_s: float = 10.0,
+        batch_s: float = 0.05,
         reconcile_s: float = 1.0,
         retry_s: float = 0.5,
     ) -> None:
@@ -58,6 +61,7 @@ class KVEventSubscriber:
         self._on_worker_info = on_worker_info
         self._on_forget = on_forget
         self._poll_timeout_s = poll_timeout_s
+        self._batch_s = batch_s
         self._reconcile_s = reconcile_s
         self._retry_s = retry_s
         self._tasks: dict[str, asyncio.Task[None]] = {}
@@ -141,3 +145,8 @@ class KVEventSubscriber:
                 raise _Resync
             self._index.apply(worker.worker_id, event)
             after = self.last_seq[worker.worker_id] = event.seq
+        if answer["events"]:
+            # A busy worker emits events every step: collect them in batches rather than
+            # costing it (and the router) one HTTP round trip per step. Speculative
+            # entries cover the delay.
+            await asyncio.sleep(self._batch_s)
