@@ -8,6 +8,8 @@ from typing import Annotated
 
 import typer
 
+from kvserve.engine.storage.base import DEFAULT_FILE_STORAGE_BYTES
+
 
 def register(app: typer.Typer) -> None:
     @app.command()
@@ -51,9 +53,26 @@ def register(app: typer.Typer) -> None:
         pd_local_hit_fraction: Annotated[
             float, typer.Option(help="decode role: prefill here if this much is cached.")
         ] = 0.8,
+        host_cache_blocks: Annotated[
+            int, typer.Option(help="KV blocks of the host memory tier (0: none).")
+        ] = 0,
+        host_cache_memory: Annotated[
+            int, typer.Option(help="Bytes of the host memory tier (instead of blocks).")
+        ] = 0,
+        kv_storage: Annotated[
+            str | None,
+            typer.Option(help="Shared KV storage tier: file:DIR | redis://host:port."),
+        ] = None,
+        kv_storage_max_bytes: Annotated[
+            int, typer.Option(help="Size bound of a file: storage directory.")
+        ] = DEFAULT_FILE_STORAGE_BYTES,
+        storage_write_policy: Annotated[
+            str, typer.Option(help="Blocks written to storage: write_through | hit_count:K.")
+        ] = "write_through",
     ) -> None:
         """Serve one engine: OpenAI API, /health, /load, /metrics, KV events."""
         from kvserve.core.routing.pd_pair import PDConfig
+        from kvserve.engine.kv_tier_config import KVTierConfig
         from kvserve.worker.config import WorkerConfig
         from kvserve.worker.server import serve
 
@@ -69,6 +88,18 @@ def register(app: typer.Typer) -> None:
             raise typer.BadParameter(str(error), param_hint="--sim-profile") from error
         if num_blocks is not None and kv_cache_memory is not None:
             raise typer.BadParameter("give --num-blocks or --kv-cache-memory, not both")
+        try:
+            kv_tiers = KVTierConfig(
+                host_blocks=host_cache_blocks,
+                host_memory=host_cache_memory,
+                storage=kv_storage,
+                storage_max_bytes=kv_storage_max_bytes,
+                write_policy=storage_write_policy,
+            )
+        except ValueError as error:
+            raise typer.BadParameter(str(error)) from error
+        if kv_storage is not None and not kv_storage.startswith(("file:", "redis://")):
+            raise typer.BadParameter("use file:DIR or redis://host:port", param_hint="--kv-storage")
         logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(message)s")
         serve(
             WorkerConfig(
@@ -88,5 +119,6 @@ def register(app: typer.Typer) -> None:
                 runner=runner,  # type: ignore[arg-type]
                 sim_profile=sim_profile,
                 pd=PDConfig(pd_min_remote_tokens, pd_local_hit_fraction),
+                kv_tiers=kv_tiers,
             )
         )

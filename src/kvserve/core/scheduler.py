@@ -108,6 +108,9 @@ class Scheduler:
         # Asked before admitting a waiting request; False: its KV is still being loaded
         # from a lower tier (the engine's KV tiers), so it waits and later ones may go.
         self.admission_gate: Callable[[Request], bool] | None = None
+        # Told of a request about to be preempted, while its blocks still hold its KV (so
+        # the KV tiers can save it before eviction may reuse them).
+        self.on_preempt: Callable[[Request], None] | None = None
 
     # -- requests in and out -------------------------------------------------------
 
@@ -178,6 +181,8 @@ class Scheduler:
         if chunk is not None:
             plan.budget += chunk.num_tokens
         self.running.remove(victim)
+        if self.on_preempt is not None:
+            self.on_preempt(victim)
         self.kv_cache.free_request(victim.request_id)
         victim.status = RequestStatus.WAITING
         victim.num_computed_tokens = 0

@@ -24,6 +24,9 @@ from kvserve.core.stop_checker import find_stop_string, stop_holdback, token_fin
 from kvserve.engine.cost_model_runner import CostModelRunner
 from kvserve.engine.device import pick_device, pick_dtype
 from kvserve.engine.errors import InvalidRequestError
+from kvserve.engine.kv_block_io import KVBlockLayout
+from kvserve.engine.kv_tier_config import KVTierConfig
+from kvserve.engine.kv_tiers import KVTiers
 from kvserve.engine.model_config import ModelConfig
 from kvserve.engine.model_runner import ModelRunner, SequenceBatchItem
 from kvserve.engine.outputs import RequestOutput
@@ -68,6 +71,7 @@ class LLMEngine:
         model_name: str | None = None,
         seed: int | None = None,
         runner: CostModelRunner | None = None,  # stands in for the model (no weights)
+        kv_tiers: KVTierConfig | None = None,  # host memory and storage below the device
     ) -> None:
         config = ModelConfig.from_dir(model_dir)
         if num_blocks is None:
@@ -91,6 +95,13 @@ class LLMEngine:
             self.kv_cache, SchedulerConfig(max_num_batched_tokens, max_num_seqs)
         )
         self.sampler = Sampler(self.runner.device, seed)
+        self.tiers: KVTiers | None = None
+        if kv_tiers is not None and kv_tiers.enabled:
+            if runner is not None:
+                raise ValueError("KV tiers need the model runner's KV pool")
+            layout = KVBlockLayout.of_runner(self.runner, self.model_name)
+            pool = self.runner.kv_pool
+            self.tiers = KVTiers(self.scheduler, pool, layout, self.events, kv_tiers)
         self._generations: dict[str, _Generation] = {}
 
     # -- requests ------------------------------------------------------------------
@@ -149,6 +160,8 @@ class LLMEngine:
         """Drop the request and free its blocks now; unknown or finished ids are ignored."""
         self.scheduler.abort(request_id)
         self._generations.pop(request_id, None)
+        if self.tiers is not None:
+            self.tiers.forget(request_id)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
@@ -168,12 +181,17 @@ class LLMEngine:
     # -- one step ------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
+        tiers = self.tiers
+        if tiers is not None:
+            tiers.before_step()
         plan = self.scheduler.schedule()
         outputs = [self._finish(r, r.finish_reason or "length") for r in plan.finished_before_run]
         if not plan.chunks:
             return outputs
         logits = self.runner.forward([self._batch_item(chunk) for chunk in plan.chunks])
         self.scheduler.advance(plan)
+        if tiers is not None:
+            tiers.after_advance(plan)
         rows = [i for i, chunk in enumerate(plan.chunks) if chunk.completes_sequence]
         if not rows:
             return outputs

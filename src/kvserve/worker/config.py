@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Literal
 
 from kvserve.core.routing.pd_pair import PDConfig
+from kvserve.engine.kv_tier_config import KVTierConfig
 
 Role = Literal["mixed", "prefill", "decode"]
 
@@ -32,6 +33,7 @@ class WorkerConfig:
     runner: Literal["model", "sim"] = "model"  # sim: the cost-model runner, no weights
     sim_profile: str = "llama3-8b-h100"  # kvserve.core.cost_model profile for runner "sim"
     pd: PDConfig = field(default_factory=PDConfig)  # prefill and decode roles only
+    kv_tiers: KVTierConfig = field(default_factory=KVTierConfig)  # host and storage tiers
 
     @property
     def resolved_worker_id(self) -> str:

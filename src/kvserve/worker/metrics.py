@@ -56,6 +56,28 @@ class _EngineStateCollector(Collector):
         }
         for name, (documentation, value) in counters.items():
             yield CounterMetricFamily(name, documentation, value=value)
+        if state.kv_tiers:
+            yield from _kv_tier_metrics(state.kv_tiers)
+
+
+def _kv_tier_metrics(values: tuple[tuple[str, int], ...]) -> Iterator[Metric]:
+    """``kvserve_kv_tier_*``: hits, loads, writes and faults of the host and storage tiers
+    (names as in :meth:`kvserve.engine.kv_tiers.KVTiers.metrics`)."""
+    from kvserve.engine.kv_tiers import FAULT_PREFIX, GAUGES
+
+    faults = CounterMetricFamily(
+        "kvserve_kv_tier_faults",
+        "Storage tier failures met (served by recomputing), by kind: read, write, corrupt.",
+        labels=["kind"],
+    )
+    for name, value in values:
+        if name.startswith(FAULT_PREFIX):
+            faults.add_metric([name.removeprefix(FAULT_PREFIX)], value)
+        elif name in GAUGES:
+            yield GaugeMetricFamily(f"kvserve_kv_tier_{name}", "KV tier occupancy.", value=value)
+        else:
+            yield CounterMetricFamily(f"kvserve_kv_tier_{name}", "KV tier counter.", value=value)
+    yield faults
 
 
 class WorkerMetrics:

@@ -57,6 +57,7 @@ def serve(config: WorkerConfig) -> None:
         device=config.device,
         model_name=config.model_name,
         runner=runner,
+        kv_tiers=config.kv_tiers,
         **pd_options,
     )
     app = build_app(config, engine)
