@@ -139,6 +139,7 @@ class KVTiers:
         self._resuming: dict[str, int] = {}  # preempted request -> tokens it had computed
         self._hits: OrderedDict[int, int] = OrderedDict()
         self._stored: set[int] = set()  # written (or queued) to storage by this worker
+        self._faults_seen = 0
         scheduler.admission_gate = self.admission_gate
         scheduler.on_preempt = self.save_preempted
 
@@ -344,6 +345,12 @@ class KVTiers:
 
     def _announce_writes(self) -> None:
         assert self._writer is not None
+        faults = sum(self.faults.snapshot().values())
+        if faults != self._faults_seen:
+            # A store that failed may have lost what it held (a restarted server): write
+            # blocks again rather than trust this worker's memory of them.
+            self._faults_seen = faults
+            self._stored.clear()
         done = self._writer.done
         while not done.empty():
             write = done.get_nowait()

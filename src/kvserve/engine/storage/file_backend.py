@@ -35,7 +35,8 @@ class FileStorage(KVStorage):
             raise ValueError(f"max_bytes must be positive, got {max_bytes}")
         self.namespace = namespace
         self.directory = root / namespace
-        self.directory.mkdir(parents=True, exist_ok=True)
+        with contextlib.suppress(OSError):  # a full or unwritable disk: writes will say so
+            self.directory.mkdir(parents=True, exist_ok=True)
         self.max_bytes = max_bytes
         self._size: int | None = None  # bytes in the directory as last counted, plus writes
         self._writes_since_scan = 0
@@ -88,7 +89,7 @@ class FileStorage(KVStorage):
     def _write_atomically(self, path: Path, value: bytes) -> None:
         temporary = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
         try:
-            path.parent.mkdir(exist_ok=True)
+            path.parent.mkdir(parents=True, exist_ok=True)
             with temporary.open("wb") as file:
                 file.write(value)
             os.replace(temporary, path)
