@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from kvserve.core.routing.types import WorkerLoad
+from kvserve.core.routing.types import RouteQuery, RoutingDecision, WorkerLoad
 from kvserve.router.load_guard import LoadTracker
+from kvserve.router.proxy import guarded_prefill_tokens
 
 
 def test_guard_holds_request_and_prefill_until_released() -> None:
@@ -38,3 +39,14 @@ def test_over_release_is_an_error_not_a_negative_gauge() -> None:
     tracker = LoadTracker()
     with pytest.raises(AssertionError):
         tracker._adjust("w0", -1, 0)
+
+
+@pytest.mark.parametrize(
+    ("policy", "expected"), [("kv_aware", 25), ("cache_aware", 100), ("round_robin", 100)]
+)
+def test_only_an_exact_match_policy_leaves_predicted_cached_tokens_out(
+    policy: str, expected: int
+) -> None:
+    query = RouteQuery(text="p" * 400, prefill_tokens=100)
+    decision = RoutingDecision("w0", policy, "cache_hit", matched_fraction=0.75)
+    assert guarded_prefill_tokens(query, decision) == expected

@@ -1,11 +1,12 @@
 """Exact load accounting: what this router has in flight on each worker.
 
 A guard is taken when a worker is selected for a request (one per attempt) and holds one
-in-flight request plus the request's estimated prefill tokens. The prefill part is
-released when the first token arrives (prefill is over); the whole guard is released
-exactly once, whatever ends the attempt: success, an upstream error, a client
-disconnect, a timeout, a retry elsewhere, or the worker's removal. Releases are
-idempotent so that every exit path can release without counting twice.
+in-flight request plus the request's estimated prefill tokens (under kv_aware, only the
+part the worker is predicted not to hold: see ``proxy.guarded_prefill_tokens``). The
+prefill part is released when the first token arrives (prefill is over); the whole guard
+is released exactly once, whatever ends the attempt: success, an upstream error, a client
+disconnect, a timeout, a retry elsewhere, or the worker's removal. Releases are idempotent
+so that every exit path can release without counting twice.
 """
 
 from __future__ import annotations

@@ -24,12 +24,18 @@ from kvserve.router.errors import openai_error
 from kvserve.router.load_guard import LoadGuard, LoadTracker
 from kvserve.router.metrics import RouterMetrics
 from kvserve.router.policies import Policy
+from kvserve.router.policies.kv_aware import KvAwarePolicy
 from kvserve.router.retry import RETRYABLE_STATUSES, backoff_delays
 from kvserve.router.route_query import build_route_query
 from kvserve.router.usage import StreamUsageReader, cached_tokens_in_body
 from kvserve.router.worker_registry import Worker, WorkerRegistry
 
 _FORWARDED_REQUEST_HEADERS = ("Accept", "X-Request-Id")
+
+# Policies whose matched fraction is read from the workers' own KV events: what they
+# predict cached is left out of the prefill work a guard holds. The approximate policies'
+# matches are guesses from routing history, so their guards hold the whole prompt.
+_EXACT_MATCH_POLICIES = frozenset({KvAwarePolicy.name})
 
 
 @dataclass(slots=True)
@@ -183,7 +189,7 @@ class Proxy:
 
     def _acquire(self, worker: Worker, query: RouteQuery, decision: RoutingDecision) -> LoadGuard:
         """The load this attempt holds until it ends (PD mode holds two workers')."""
-        return self._tracker.acquire(worker.worker_id, query.prefill_tokens)
+        return self._tracker.acquire(worker.worker_id, guarded_prefill_tokens(query, decision))
 
     def _upstream(
         self, request: web.Request, worker: Worker, decision: RoutingDecision
@@ -268,3 +274,11 @@ class Proxy:
         if self._config.api_key is None and "Authorization" in request.headers:
             headers["Authorization"] = request.headers["Authorization"]  # the backend's key
         return headers
+
+
+def guarded_prefill_tokens(query: RouteQuery, decision: RoutingDecision) -> int:
+    """The prefill work a request queues on its worker until its first token: the prompt
+    estimate, less the part an exact-match policy predicts the worker holds already."""
+    if decision.policy in _EXACT_MATCH_POLICIES:
+        return decision.uncached_tokens(query.prefill_tokens)
+    return query.prefill_tokens

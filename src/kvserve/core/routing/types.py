@@ -51,5 +51,9 @@ class RoutingDecision:
     reason: str
     matched_fraction: float = 0.0
 
+    def uncached_tokens(self, prompt_tokens: int) -> int:
+        """The part of a ``prompt_tokens`` prompt the worker is predicted to compute."""
+        return round(prompt_tokens * (1.0 - self.matched_fraction))
+
     def header_value(self) -> str:
         return f"policy={self.policy}; reason={self.reason}; matched={self.matched_fraction:.3f}"

@@ -1,0 +1,80 @@
+"""kv_aware's load guard holds only the prefill work the policy predicts: the prompt less
+what the worker is predicted to hold, as the router's load gauge shows until the first
+token. One cost-model worker with a small step budget, so a prefill lasts long enough to
+be seen."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+
+from kvserve.router.local_fleet import KVSERVE_COMMAND, ServerProcess, free_port
+from tests.support.metrics_text import by_label, samples
+from tests.support.processes import start_router
+
+PREFILL_GAUGE = "kvserve_router_in_flight_prefill_tokens"
+SHARED = "Shared context about harbours, tides and ships. " * 20
+CHARS_PER_TOKEN = 4  # the router's default estimate
+
+
+@pytest.fixture(scope="module")
+def router(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    from kvserve.engine.tiny_model import make_tiny_model
+
+    model_dir = make_tiny_model(tmp_path_factory.mktemp("kv-guard-model"), "llama")
+    port = free_port()
+    args = [
+        *KVSERVE_COMMAND, "worker", "--model", str(model_dir), "--port", str(port),
+        "--runner", "sim", "--sim-profile", "llama3-8b-h100", "--num-blocks", "256",
+        "--max-num-batched-tokens", "8", "--served-model-name", str(model_dir),
+    ]  # fmt: skip
+    worker = ServerProcess(args, f"http://127.0.0.1:{port}", name="sim-worker")
+    try:
+        worker.wait_healthy(90)
+        with start_router([worker.url], free_port(), "--policy", "kv_aware") as process:
+            yield process
+    finally:
+        worker.stop()
+
+
+def held_prefill_tokens(router: ServerProcess) -> float:
+    return sum(by_label(samples(router.url + "/metrics"), PREFILL_GAUGE, "worker").values())
+
+
+def first_held_value(router: ServerProcess, within_s: float) -> float:
+    """The gauge's value as soon as some guard holds prefill tokens."""
+    deadline = time.monotonic() + within_s
+    while (held := held_prefill_tokens(router)) == 0:
+        assert time.monotonic() < deadline, "no prefill tokens were ever held"
+        time.sleep(0.005)
+    return held
+
+
+def complete(router: ServerProcess, model: str, prompt: str) -> httpx.Response:
+    body = {"model": model, "prompt": prompt, "max_tokens": 1}
+    response = httpx.post(router.url + "/v1/completions", json=body, timeout=60)
+    assert response.status_code == 200, response.text
+    return response
+
+
+def test_guard_holds_the_predicted_uncached_tokens_until_the_first_token(
+    router: ServerProcess,
+) -> None:
+    model = httpx.get(router.url + "/v1/models", timeout=10).json()["data"][0]["id"]
+    complete(router, model, SHARED)
+    time.sleep(2.5)  # past the speculative TTL: the match comes from the worker's events
+    prompt = SHARED + " ".join(f"novel{i}" for i in range(120))
+    with ThreadPoolExecutor(1) as pool:
+        pending = pool.submit(complete, router, model, prompt)
+        held = first_held_value(router, within_s=10)
+        decision = pending.result().headers["x-kvserve-decision"]
+    assert "reason=cache_hit" in decision, decision
+    matched = float(decision.split("matched=")[1])  # the header rounds it to 3 places
+    estimate = round(len(prompt) / CHARS_PER_TOKEN)
+    assert 0.3 < matched < 0.9
+    assert abs(held - estimate * (1 - matched)) <= 1
+    assert held_prefill_tokens(router) == 0  # released with the answer
