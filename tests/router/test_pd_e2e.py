@@ -92,6 +92,21 @@ def reason(response: httpx.Response) -> str:
     return response.headers["x-kvserve-decision"].split("reason=")[1].split(";")[0]
 
 
+def assert_served_by(
+    fleet: Fleet, response: httpx.Response, path: str, *, prefill_worker: bool
+) -> None:
+    """The decode worker answers; the prefill worker is named only when its KV was used."""
+    listed = httpx.get(fleet.router.url + "/workers", timeout=5).json()["workers"]
+    pools = {worker["id"]: worker["pool"] for worker in listed}
+    headers = response.headers
+    assert headers["x-kvserve-pd"] == path
+    assert pools[headers["x-kvserve-worker"]] == "decode"
+    assert ("x-kvserve-prefill-worker" in headers) == prefill_worker
+    if prefill_worker:
+        assert pools[headers["x-kvserve-prefill-worker"]] == "prefill"
+        assert f"prefill={headers['x-kvserve-prefill-worker']}" in headers["x-kvserve-decision"]
+
+
 def load(worker: ServerProcess) -> dict[str, Any]:
     return httpx.get(worker.url + "/load", timeout=5).json()
 
@@ -123,6 +138,7 @@ def test_pd_output_is_the_mixed_workers_greedy_output(fleet: Fleet) -> None:
         prompt = words(tag, 120)
         pd = complete(fleet.router.url, prompt)
         assert reason(pd) == "remote"
+        assert_served_by(fleet, pd, "remote", prefill_worker=True)
         assert (
             pd.json()["choices"][0]["text"]
             == complete(fleet.mixed.url, prompt).json()["choices"][0]["text"]
@@ -145,6 +161,7 @@ def test_prefill_cache_hits_and_decode_side_reuse(fleet: Fleet) -> None:
     assert cached_tokens(hit) >= 16 * 20  # the prefill worker's cache served the shared part
     again = complete(fleet.router.url, second)  # the decode worker holds it all now
     assert reason(again).startswith("local") and cached_tokens(again) > cached_tokens(hit)
+    assert_served_by(fleet, again, "local", prefill_worker=False)
     direct = httpx.post(
         f"{fleet.decodes[0].url}/pd/v1/completions",
         json={**GREEDY, "prompt": second},
@@ -225,5 +242,6 @@ def test_prefill_worker_killed_mid_request(fleet: Fleet) -> None:
     fleet.prefill.kill()
     thread.join(60)
     assert result[0].status_code == 200  # the decode worker prefilled it itself
+    assert_served_by(fleet, result[0], "fallback", prefill_worker=False)
     assert_at_baseline(fleet)
     assert complete(fleet.router.url, words("after-pkill", 100)).status_code == 200

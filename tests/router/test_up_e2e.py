@@ -1,6 +1,6 @@
 """``kvserve up`` end to end: a fresh cache, real kvserve workers behind the router, the
-cache-aware policy finding the worker that holds a prefix, and a clean stop on Ctrl-C or
-SIGTERM that leaves no process behind."""
+cache-aware policy finding the worker that holds a prefix, PD mode answering as mixed mode
+does, and a clean stop on Ctrl-C or SIGTERM that leaves no process behind."""
 
 from __future__ import annotations
 
@@ -95,18 +95,39 @@ def test_a_body_sent_without_a_json_content_type_still_works(fleet) -> None:
     assert response.status_code == 200, response.text
 
 
+def greedy_completion(client: httpx.Client, prompt: str) -> httpx.Response:
+    body = {"model": "tiny-llama", "prompt": prompt, "max_tokens": 12, "temperature": 0}
+    response = client.post("/v1/completions", json={**body, "ignore_eos": True})
+    assert response.status_code == 200, response.text
+    return response
+
+
+def test_pd_mode_answers_as_mixed_names_both_workers_and_sigterm_stops_it(
+    fleet, cache_dir: Path
+) -> None:
+    _, mixed = fleet
+    pd = start_up(cache_dir, "--prefill", "1", "--decode", "1")
+    try:
+        assert "making the tiny model" not in pd.log_tail()  # the cached model is reused
+        listed = httpx.get(pd.url + "/workers", timeout=10).json()["workers"]
+        pools = {worker["id"]: worker["pool"] for worker in listed}
+        assert sorted(pools.values()) == ["decode", "prefill"]
+        prompt = " ".join(f"word{i}" for i in range(120))  # long enough to prefill remotely
+        with httpx.Client(base_url=pd.url, timeout=60.0) as client:
+            answer = greedy_completion(client, prompt)
+        headers = answer.headers
+        assert headers["x-kvserve-pd"] == "remote", headers
+        assert pools[headers["x-kvserve-worker"]] == "decode"
+        assert pools[headers["x-kvserve-prefill-worker"]] == "prefill"
+        assert "policy=pd" in headers["x-kvserve-decision"]
+        expected = greedy_completion(mixed, prompt).json()["choices"][0]["text"]
+        assert answer.json()["choices"][0]["text"] == expected
+        stop_and_check(pd, signal.SIGTERM, [worker["url"] for worker in listed])
+    finally:
+        pd.stop()
+
+
 def test_ctrl_c_stops_everything(fleet) -> None:
     up, client = fleet
     worker_urls = [w["url"] for w in client.get("/workers").json()["workers"]]
     stop_and_check(up, signal.SIGINT, worker_urls)
-
-
-def test_sigterm_stops_everything_and_the_cached_model_is_reused(cache_dir: Path) -> None:
-    up = start_up(cache_dir, "--workers", "1")
-    try:
-        assert "making the tiny model" not in up.log_tail()
-        worker_urls = [w["url"] for w in httpx.get(up.url + "/workers").json()["workers"]]
-        assert len(worker_urls) == 1
-        stop_and_check(up, signal.SIGTERM, worker_urls)
-    finally:
-        up.stop()

@@ -8,6 +8,10 @@ back (see ``docs/internals.md``, PD protocol). Routing state is per pool: the pr
 pool's index learns only from prefill choices, the decode pool's only from decode
 choices, and decode KV headroom comes from the decode workers' ``/load``.
 
+Responses name the decode worker in ``x-kvserve-worker``, relay its ``x-kvserve-pd``
+(``remote``, ``local``, ``fallback``) and, when the prefill worker's KV was used
+(``remote``), name that worker in ``x-kvserve-prefill-worker``.
+
 Guards: the prefill worker's (one request + the prompt's prefill tokens) is released when
 prefill ends, i.e. at the first response byte; the decode worker's (one request) when the
 response ends. Both are released on every path through the base proxy's ``finally``.
@@ -31,6 +35,8 @@ from kvserve.router.proxy import Proxy
 from kvserve.router.worker_registry import Worker
 
 PREFILL_HEADER = "x-kvserve-prefill"
+PATH_HEADER = "x-kvserve-pd"  # the decode worker's answer: remote | local | fallback
+PREFILL_WORKER_HEADER = "x-kvserve-prefill-worker"
 LOAD_POLL_INTERVAL_S = 0.5
 
 
@@ -42,6 +48,10 @@ class PairDecision(RoutingDecision):
 
     def header_value(self) -> str:
         return f"{RoutingDecision.header_value(self)}; prefill={self.prefill_worker_id or 'local'}"
+
+
+def _prefill_worker_id(decision: RoutingDecision) -> str | None:
+    return decision.prefill_worker_id if isinstance(decision, PairDecision) else None
 
 
 class PairGuard:
@@ -123,7 +133,7 @@ class PDProxy(Proxy):
     # -- the attempt -----------------------------------------------------------------
 
     def _acquire(self, worker: Worker, query: RouteQuery, decision: RoutingDecision) -> LoadGuard:
-        prefill_id = decision.prefill_worker_id if isinstance(decision, PairDecision) else None
+        prefill_id = _prefill_worker_id(decision)
         if prefill_id is None:  # the decode worker prefills: it carries the prefill tokens
             return self._tracker.acquire(worker.worker_id, query.prefill_tokens)
         prefill = self._tracker.acquire(prefill_id, query.prefill_tokens)
@@ -133,11 +143,24 @@ class PDProxy(Proxy):
         self, request: web.Request, worker: Worker, decision: RoutingDecision
     ) -> tuple[str, dict[str, str]]:
         headers = self._upstream_headers(request)
-        prefill_id = decision.prefill_worker_id if isinstance(decision, PairDecision) else None
+        prefill_id = _prefill_worker_id(decision)
         prefill = self._registry.get(prefill_id) if prefill_id is not None else None
         if prefill is not None:
             headers[PREFILL_HEADER] = prefill.url
         return worker.url + "/pd" + request.path, headers
+
+    def _served_by(
+        self, decision: RoutingDecision, upstream: aiohttp.ClientResponse
+    ) -> dict[str, str]:
+        """The decode worker's word on how the prompt was prefilled, and the prefill worker
+        when its KV was used (not when the decode worker fell back to prefilling itself)."""
+        path = upstream.headers.get(PATH_HEADER)
+        if path is None:
+            return {}
+        prefill_id = _prefill_worker_id(decision)
+        if path == "remote" and prefill_id is not None:
+            return {PATH_HEADER: path, PREFILL_WORKER_HEADER: prefill_id}
+        return {PATH_HEADER: path}
 
     # -- decode headroom -------------------------------------------------------------
 

@@ -149,6 +149,7 @@ class Proxy:
             async with self._session.post(
                 url, data=raw, headers=headers, timeout=self._timeout
             ) as upstream:
+                attempt.headers |= self._served_by(decision, upstream)
                 if upstream.status in RETRYABLE_STATUSES:
                     self._record_failure(worker, f"status_{upstream.status}")
                     payload = await upstream.read()
@@ -196,6 +197,13 @@ class Proxy:
     ) -> tuple[str, dict[str, str]]:
         """Where the attempt goes and with which headers."""
         return worker.url + request.path, self._upstream_headers(request)
+
+    def _served_by(
+        self, decision: RoutingDecision, upstream: aiohttp.ClientResponse
+    ) -> dict[str, str]:
+        """Response headers naming the workers that served the attempt, beyond
+        ``x-kvserve-worker`` (PD mode adds the prefill worker's)."""
+        return {}
 
     async def _relay_stream(
         self, request: web.Request, upstream: aiohttp.ClientResponse, attempt: _Attempt
