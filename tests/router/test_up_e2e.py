@@ -131,3 +131,22 @@ def test_ctrl_c_stops_everything(fleet) -> None:
     up, client = fleet
     worker_urls = [w["url"] for w in client.get("/workers").json()["workers"]]
     stop_and_check(up, signal.SIGINT, worker_urls)
+
+
+def test_children_stop_when_up_is_killed_outright(cache_dir: Path) -> None:
+    up = start_up(cache_dir, "--workers", "1")
+    try:
+        worker_urls = [w["url"] for w in httpx.get(up.url + "/workers").json()["workers"]]
+        up.process.kill()  # SIGKILL to `kvserve up` alone: no chance to stop its children
+        up.process.wait(timeout=10)
+        deadline = time.monotonic() + 10
+        for url in [up.url, *worker_urls]:
+            while True:
+                try:
+                    httpx.get(url + "/health", timeout=1.0)
+                except httpx.ConnectError:
+                    break
+                assert time.monotonic() < deadline, f"{url} outlived kvserve up"
+                time.sleep(0.1)
+    finally:
+        up.stop()

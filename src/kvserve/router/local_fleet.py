@@ -4,11 +4,17 @@
 use the same class. Each process gets its own session (so a terminal's Ctrl-C reaches only
 the supervisor, which then stops children in order) and writes to a log file (a pipe that
 nobody reads would block a chatty server); the log's tail is shown when a start fails.
+
+A supervisor killed outright (SIGKILL, the OOM killer) cannot stop its children, so on
+Linux each child asks the kernel for SIGTERM when its parent dies (``PR_SET_PDEATHSIG``).
+The kernel ties that to the *thread* that started the child: start servers from a thread
+that outlives them (the main thread, as ``kvserve up`` and the tests do).
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
 import signal
 import socket
@@ -18,10 +24,31 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 KVSERVE_COMMAND = (sys.executable, "-c", "from kvserve.cli import main; main()")
+
+
+_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+
+
+def _terminate_with_parent() -> Callable[[], None] | None:
+    """A ``preexec_fn`` that has the child sent SIGTERM when this process dies; None where
+    the platform cannot (the child then outlives a killed parent, as before)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+    parent = os.getpid()
+
+    def set_parent_death_signal() -> None:
+        if prctl(_PR_SET_PDEATHSIG, signal.SIGTERM) == 0 and os.getppid() != parent:
+            os._exit(1)  # the parent died before the request took effect: nobody to serve
+
+    return set_parent_death_signal
 
 
 class StartError(RuntimeError):
@@ -57,6 +84,7 @@ class ServerProcess:
                 env=None if env is None else {**os.environ, **env},
                 cwd=cwd,
                 start_new_session=True,
+                preexec_fn=_terminate_with_parent(),
             )
 
     def alive(self) -> bool:
