@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import socket
 from collections.abc import Iterator
 
 import httpx
@@ -74,3 +76,62 @@ def test_workers_added_and_removed_at_run_time(
     no_worker = client.post("/v1/completions", json={"prompt": "x"}, headers=API)
     assert (no_worker.status_code, no_worker.json()["error"]["code"]) == (503, "no_worker")
     assert client.get("/health").status_code == 503
+
+
+def non_loopback_address() -> str:
+    """This machine's address on its default route (no packet is sent)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        try:
+            probe.connect(("10.255.255.255", 1))
+        except OSError:
+            pytest.skip("this machine has no route off loopback")
+        address = probe.getsockname()[0]
+    if address.startswith("127."):
+        pytest.skip("this machine has no non-loopback address")
+    return address
+
+
+@contextlib.contextmanager
+def router_on_all_interfaces(
+    worker_url: str, *options: str
+) -> Iterator[tuple[httpx.Client, httpx.Client]]:
+    """A router listening on every interface, and a client from off loopback and one on it."""
+    address = non_loopback_address()
+    port = free_port()
+    with (
+        start_router([worker_url], port, "--host", "0.0.0.0", "--policy", "round_robin", *options),
+        httpx.Client(base_url=f"http://{address}:{port}", timeout=10) as remote,
+        httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=10) as local,
+    ):
+        yield remote, local
+
+
+def test_worker_api_without_a_key_answers_loopback_only(
+    foreign_fleet: list[ServerProcess],
+) -> None:
+    with router_on_all_interfaces(foreign_fleet[0].url) as (remote, local):
+        refused = [
+            remote.get("/workers"),
+            remote.post("/workers", json={"url": foreign_fleet[1].url}),
+            remote.delete("/workers/w0"),
+        ]
+        assert [r.status_code for r in refused] == [403] * 3
+        assert refused[0].json()["error"]["code"] == "admin_key_required"
+        assert remote.post("/v1/completions", json={"prompt": "x"}).status_code == 200
+        assert local.post("/workers", json={"url": foreign_fleet[1].url}).status_code == 201
+        assert local.delete("/workers/w0").status_code == 200
+        assert [w["id"] for w in local.get("/workers").json()["workers"]] == ["w1"]
+
+
+def test_worker_api_with_a_key_answers_anywhere_with_the_key(
+    foreign_fleet: list[ServerProcess],
+) -> None:
+    with router_on_all_interfaces(foreign_fleet[0].url, "--admin-api-key", "admin-key") as (
+        remote,
+        local,
+    ):
+        assert remote.get("/workers").status_code == 401
+        assert local.get("/workers").status_code == 401  # a key, once set, binds loopback too
+        added = remote.post("/workers", json={"url": foreign_fleet[1].url}, headers=ADMIN)
+        assert added.status_code == 201
+        assert remote.delete("/workers/w0", headers=ADMIN).status_code == 200

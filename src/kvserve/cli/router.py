@@ -58,7 +58,10 @@ def register(app: typer.Typer) -> None:
         ] = None,
         admin_api_key: Annotated[
             str | None,
-            typer.Option(help="Required on /workers when set (else --api-key applies)."),
+            typer.Option(
+                help="Required on /workers (the control plane) when set, else --api-key is. "
+                "With neither, /workers answers loopback clients only."
+            ),
         ] = None,
         cache_threshold: Annotated[
             float,

@@ -7,13 +7,14 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 import aiohttp
 import orjson
 from aiohttp import web
 
 from kvserve.core.routing.pd_pair import PDConfig
+from kvserve.router.access import bearer_matches, control_plane_refusal, unauthorized
 from kvserve.router.config import RouterConfig
 from kvserve.router.errors import openai_error
 from kvserve.router.health import HealthChecker
@@ -27,19 +28,11 @@ from kvserve.router.worker_registry import Worker, WorkerRegistry
 
 log = logging.getLogger(__name__)
 
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
 
 def _json(payload: object, status: int = 200) -> web.Response:
     return web.Response(status=status, body=orjson.dumps(payload), content_type="application/json")
-
-
-def _bearer_matches(request: web.Request, key: str | None) -> bool:
-    return key is None or request.headers.get("Authorization") == f"Bearer {key}"
-
-
-def _unauthorized() -> web.Response:
-    return openai_error(
-        401, "invalid or missing API key", error_type="authentication_error", code="invalid_api_key"
-    )
 
 
 class Router:
@@ -95,23 +88,32 @@ class Router:
                 web.get("/v1/models", self.models),
                 web.get("/health", self.health),
                 web.get("/metrics", self.prometheus),
-                web.get("/workers", self.list_workers),
-                web.post("/workers", self.add_worker),
-                web.delete("/workers/{worker_id}", self.remove_worker),
+                web.get("/workers", self._control_plane(self.list_workers)),
+                web.post("/workers", self._control_plane(self.add_worker)),
+                web.delete("/workers/{worker_id}", self._control_plane(self.remove_worker)),
             ]
         )
         return app
 
+    def _control_plane(self, handler: Handler) -> Handler:
+        """``handler`` behind the control plane's access rule (see ``router/access.py``)."""
+
+        async def guarded(request: web.Request) -> web.StreamResponse:
+            refusal = control_plane_refusal(request, self._admin_key)
+            return refusal if refusal is not None else await handler(request)
+
+        return guarded
+
     async def generate(self, request: web.Request) -> web.StreamResponse:
-        if not _bearer_matches(request, self.config.api_key):
-            return _unauthorized()
+        if not bearer_matches(request, self.config.api_key):
+            return unauthorized()
         assert self._proxy is not None
         return await self._proxy.handle(request)
 
     async def models(self, request: web.Request) -> web.Response:
         """The first healthy worker's model list (every worker serves the same models)."""
-        if not _bearer_matches(request, self.config.api_key):
-            return _unauthorized()
+        if not bearer_matches(request, self.config.api_key):
+            return unauthorized()
         assert self._session is not None
         pool = "decode" if self.config.pd_mode else "regular"
         for worker in self.registry.accepting(time.monotonic(), pool):
@@ -146,15 +148,11 @@ class Router:
             "in_flight_prefill_tokens": load.in_flight_prefill_tokens,
         }
 
-    async def list_workers(self, request: web.Request) -> web.Response:
-        if not _bearer_matches(request, self._admin_key):
-            return _unauthorized()
+    async def list_workers(self, _request: web.Request) -> web.Response:
         return _json({"workers": [self._describe(w) for w in self.registry.all()]})
 
     async def add_worker(self, request: web.Request) -> web.Response:
         """Register a worker and check it once, so the answer says whether it takes traffic."""
-        if not _bearer_matches(request, self._admin_key):
-            return _unauthorized()
         try:
             body = orjson.loads(await request.read())
             worker = self.registry.add(str(body["url"]), str(body.get("pool", "regular")))
@@ -176,8 +174,6 @@ class Router:
 
     async def remove_worker(self, request: web.Request) -> web.Response:
         """Stop routing to a worker; its in-flight requests finish and release their load."""
-        if not _bearer_matches(request, self._admin_key):
-            return _unauthorized()
         try:
             worker = self.registry.remove(request.match_info["worker_id"])
         except KeyError:
