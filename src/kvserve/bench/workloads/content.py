@@ -14,9 +14,12 @@ blocks; a text block of ``n`` words is therefore roughly ``n`` tokens.
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 from functools import lru_cache
 
-from kvserve.bench.workloads.base import Prompt
+from kvserve.bench.workloads.base import Prompt, Workload, untimed_prompts
+
+BlockKeys = list[tuple[str, int]]  # (key, length) of each block of a prompt, in order
 
 _WORD_TEXT = """
     time year people way day man thing woman life child world school state family
@@ -69,6 +72,26 @@ class ContentMaker:
         if self.mode == "text":
             return "".join(pieces)  # type: ignore[arg-type]
         return tuple(token for piece in pieces for token in piece)  # type: ignore[union-attr]
+
+
+def block_prompts(
+    name: str,
+    count: int,
+    blocks_of: Callable[[int], BlockKeys],
+    *,
+    max_tokens: int,
+    mode: str,
+    vocab: int,
+) -> Workload:
+    """An untimed workload of ``count`` completion prompts, prompt ``i`` made of the blocks
+    ``blocks_of(i)`` names (called in order of ``i``): generators state only what is
+    shared."""
+    maker = ContentMaker(mode, vocab)
+    prompts = [
+        maker.join([maker.block(key, length) for key, length in blocks_of(index)])
+        for index in range(count)
+    ]
+    return untimed_prompts(name, prompts, max_tokens)
 
 
 def text_block(key: str, length: int) -> str:

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import random
 
-from kvserve.bench.workloads.base import Workload, capped, untimed_prompts
-from kvserve.bench.workloads.content import ContentMaker
+from kvserve.bench.workloads.base import Workload, capped
+from kvserve.bench.workloads.content import BlockKeys, block_prompts
 
 
 def generate(
@@ -29,12 +29,14 @@ def generate(
 ) -> Workload:
     if not 1 <= shots <= pool:
         raise ValueError(f"need 1 <= shots <= pool, got shots={shots}, pool={pool}")
-    maker = ContentMaker(mode, vocab)
     rng = random.Random(seed)
-    prompts = []
-    for index in range(capped(requests, limit)):
+
+    def blocks_of(index: int) -> BlockKeys:
         chosen = sorted(rng.sample(range(pool), shots))
-        pieces = [maker.block(f"few-shot:{seed}:example:{i}", shot_len) for i in chosen]
-        pieces.append(maker.block(f"few-shot:{seed}:question:{index}", question_len))
-        prompts.append(maker.join(pieces))
-    return untimed_prompts("few-shot", prompts, max_tokens)
+        examples = [(f"few-shot:{seed}:example:{i}", shot_len) for i in chosen]
+        return [*examples, (f"few-shot:{seed}:question:{index}", question_len)]
+
+    count = capped(requests, limit)
+    return block_prompts(
+        "few-shot", count, blocks_of, max_tokens=max_tokens, mode=mode, vocab=vocab
+    )

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import random
 
-from kvserve.bench.workloads.base import Workload, capped, untimed_prompts
-from kvserve.bench.workloads.content import ContentMaker
+from kvserve.bench.workloads.base import Workload, capped
+from kvserve.bench.workloads.content import BlockKeys, block_prompts
 
 
 def generate(
@@ -23,11 +23,13 @@ def generate(
 ) -> Workload:
     if n_prefixes < 1:
         raise ValueError(f"n_prefixes must be >= 1, got {n_prefixes}")
-    maker = ContentMaker(mode, vocab)
     rng = random.Random(seed)
-    prompts = []
-    for index in range(capped(requests, limit)):
-        prefix = maker.block(f"shared-prefix:{seed}:prefix:{rng.randrange(n_prefixes)}", prefix_len)
-        suffix = maker.block(f"shared-prefix:{seed}:suffix:{index}", suffix_len)
-        prompts.append(maker.join([prefix, suffix]))
-    return untimed_prompts("shared-prefix", prompts, max_tokens)
+
+    def blocks_of(index: int) -> BlockKeys:
+        prefix = f"shared-prefix:{seed}:prefix:{rng.randrange(n_prefixes)}"
+        return [(prefix, prefix_len), (f"shared-prefix:{seed}:suffix:{index}", suffix_len)]
+
+    count = capped(requests, limit)
+    return block_prompts(
+        "shared-prefix", count, blocks_of, max_tokens=max_tokens, mode=mode, vocab=vocab
+    )
