@@ -8,6 +8,21 @@ import typer
 
 _TUNING = "Policy tuning"
 _RELIABILITY = "Retries, circuit breaker, health checks"
+_PD = "Prefill/decode disaggregation"
+
+
+def _tuning(help: str) -> typer.models.OptionInfo:
+    return typer.Option(help=help, rich_help_panel=_TUNING)
+
+
+def _reliability(help: str | None = None) -> typer.models.OptionInfo:
+    return typer.Option(help=help, rich_help_panel=_RELIABILITY)
+
+
+def _pd_pool(role: str) -> typer.models.OptionInfo:
+    return typer.Option(
+        help=f"PD mode: {role} worker URLs (repeat the flag, or A,B).", rich_help_panel=_PD
+    )
 
 
 def register(app: typer.Typer) -> None:
@@ -23,20 +38,8 @@ def register(app: typer.Typer) -> None:
         more_worker_urls: Annotated[
             list[str] | None, typer.Argument(hidden=True, metavar="[URL]...")
         ] = None,
-        prefill: Annotated[
-            list[str] | None,
-            typer.Option(
-                help="PD mode: prefill worker URLs (repeat the flag, or A,B).",
-                rich_help_panel="Prefill/decode disaggregation",
-            ),
-        ] = None,
-        decode: Annotated[
-            list[str] | None,
-            typer.Option(
-                help="PD mode: decode worker URLs (repeat the flag, or A,B).",
-                rich_help_panel="Prefill/decode disaggregation",
-            ),
-        ] = None,
+        prefill: Annotated[list[str] | None, _pd_pool("prefill")] = None,
+        decode: Annotated[list[str] | None, _pd_pool("decode")] = None,
         policy: Annotated[
             str,
             typer.Option(
@@ -45,10 +48,9 @@ def register(app: typer.Typer) -> None:
         ] = "cache_aware",
         tokenizer: Annotated[
             str | None,
-            typer.Option(
-                help="kv_aware: model folder whose tokenizer and chat template hash prompts "
-                "(default: the model a worker serves, when that is a local folder).",
-                rich_help_panel=_TUNING,
+            _tuning(
+                "kv_aware: model folder whose tokenizer and chat template hash prompts "
+                "(default: the model a worker serves, when that is a local folder)."
             ),
         ] = None,
         host: str = "127.0.0.1",
@@ -64,67 +66,34 @@ def register(app: typer.Typer) -> None:
             ),
         ] = None,
         cache_threshold: Annotated[
-            float,
-            typer.Option(
-                help="cache_aware: matched fraction above which the match wins.",
-                rich_help_panel=_TUNING,
-            ),
+            float, _tuning("cache_aware: matched fraction above which the match wins.")
         ] = 0.3,
         balance_abs_threshold: Annotated[
-            int,
-            typer.Option(
-                help="cache_aware: in-flight gap (max - min) that means imbalance.",
-                rich_help_panel=_TUNING,
-            ),
+            int, _tuning("cache_aware: in-flight gap (max - min) that means imbalance.")
         ] = 64,
         balance_rel_threshold: Annotated[
-            float,
-            typer.Option(
-                help="cache_aware: and max > this x min means imbalance.", rich_help_panel=_TUNING
-            ),
+            float, _tuning("cache_aware: and max > this x min means imbalance.")
         ] = 1.5,
         eviction_interval_secs: Annotated[
-            float,
-            typer.Option(
-                help="cache_aware: seconds between trims of the prefix tree.",
-                rich_help_panel=_TUNING,
-            ),
+            float, _tuning("cache_aware: seconds between trims of the prefix tree.")
         ] = 60.0,
         max_tree_size: Annotated[
-            int,
-            typer.Option(
-                help="cache_aware: characters the whole prefix index may hold.",
-                rich_help_panel=_TUNING,
-            ),
+            int, _tuning("cache_aware: characters the whole prefix index may hold.")
         ] = 2**26,
         session_header: Annotated[
-            str,
-            typer.Option(
-                help="session: header keying the session (else the `user` field).",
-                rich_help_panel=_TUNING,
-            ),
+            str, _tuning("session: header keying the session (else the `user` field).")
         ] = "x-session-id",
-        seed: Annotated[
-            int | None,
-            typer.Option(help="random, power_of_two: RNG seed.", rich_help_panel=_TUNING),
-        ] = None,
-        max_retries: Annotated[int, typer.Option(rich_help_panel=_RELIABILITY)] = 5,
-        retry_initial_backoff: Annotated[
-            float, typer.Option(help="Seconds; x1.5 per retry.", rich_help_panel=_RELIABILITY)
-        ] = 0.05,
-        retry_max_backoff: Annotated[float, typer.Option(rich_help_panel=_RELIABILITY)] = 30.0,
-        cb_failure_threshold: Annotated[int, typer.Option(rich_help_panel=_RELIABILITY)] = 10,
-        cb_success_threshold: Annotated[int, typer.Option(rich_help_panel=_RELIABILITY)] = 3,
-        cb_open: Annotated[
-            float,
-            typer.Option(
-                help="Seconds a tripped breaker stays open.", rich_help_panel=_RELIABILITY
-            ),
-        ] = 60.0,
-        health_check_interval: Annotated[float, typer.Option(rich_help_panel=_RELIABILITY)] = 60.0,
-        health_check_timeout: Annotated[float, typer.Option(rich_help_panel=_RELIABILITY)] = 5.0,
-        health_failure_threshold: Annotated[int, typer.Option(rich_help_panel=_RELIABILITY)] = 3,
-        health_success_threshold: Annotated[int, typer.Option(rich_help_panel=_RELIABILITY)] = 2,
+        seed: Annotated[int | None, _tuning("random, power_of_two: RNG seed.")] = None,
+        max_retries: Annotated[int, _reliability()] = 5,
+        retry_initial_backoff: Annotated[float, _reliability("Seconds; x1.5 per retry.")] = 0.05,
+        retry_max_backoff: Annotated[float, _reliability()] = 30.0,
+        cb_failure_threshold: Annotated[int, _reliability()] = 10,
+        cb_success_threshold: Annotated[int, _reliability()] = 3,
+        cb_open: Annotated[float, _reliability("Seconds a tripped breaker stays open.")] = 60.0,
+        health_check_interval: Annotated[float, _reliability()] = 60.0,
+        health_check_timeout: Annotated[float, _reliability()] = 5.0,
+        health_failure_threshold: Annotated[int, _reliability()] = 3,
+        health_success_threshold: Annotated[int, _reliability()] = 2,
         request_timeout: Annotated[
             float, typer.Option(help="Seconds per attempt, streaming included.")
         ] = 1800.0,
