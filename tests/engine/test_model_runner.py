@@ -10,6 +10,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from kvserve.engine.decode_rows import DecodeRows
 from kvserve.engine.model_runner import ModelRunner, SequenceBatchItem
 from kvserve.engine.tiny_model import ARCHES
 from kvserve.engine.tokenizer import Tokenizer
@@ -115,7 +116,8 @@ def test_greedy_decode_equals_generate(arch, runners, tokenizers, tiny_model_dir
     generated: list[int] = []
     step_tokens, start = ids, 0
     while len(generated) < 20:
-        token = int(runner.forward([SequenceBatchItem(step_tokens, start, table)])[0].argmax())
+        item = SequenceBatchItem(step_tokens, start, table, sequence_key="poem")
+        token = int(runner.forward([item])[0].argmax())
         generated.append(token)
         if token in tokenizer.eos_token_ids:
             break
@@ -142,3 +144,34 @@ def test_half_precision_path_stays_close_to_float32(tiny_model_dirs, tokenizers)
     assert outputs[torch.bfloat16].dtype == torch.float32
     torch.testing.assert_close(outputs[torch.bfloat16], outputs[torch.float32], atol=0.1, rtol=0.05)
     assert torch.equal(outputs[torch.bfloat16].argmax(-1), outputs[torch.float32].argmax(-1))
+
+
+@pytest.mark.parametrize("rows_memory", [None, 0], ids=["decode rows", "gathered blocks"])
+def test_decodes_of_sequences_that_come_and_go(rows_memory, tiny_model_dirs, tokenizers):
+    """Decode rows are kept, moved down when earlier sequences leave, and refilled when a
+    key shows up at a position its row does not expect (another sequence reusing it);
+    with no memory for rows, decodes attend over gathered blocks. Logits match the oracle
+    at every step."""
+    folder, tokenizer = tiny_model_dirs["llama"], tokenizers["llama"]
+    runner = ModelRunner(folder, num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE)
+    if rows_memory is not None:
+        runner.decode_rows = DecodeRows(runner.kv_pool, max_bytes=rows_memory)
+    prompts = [tokenizer.encode(text) for text in PROMPTS]
+    blocks = shuffled_blocks(NUM_BLOCKS, seed=7)
+    tables = [blocks[i * 24 : (i + 1) * 24] for i in range(len(prompts))]
+    references = [oracle_logits(folder, ids) for ids in prompts]
+
+    def step(*decodes: tuple[int, int, str]) -> None:
+        """Each (sequence, position from the end, key) computes that position's token."""
+        batch = [
+            SequenceBatchItem([prompts[i][p]], len(prompts[i]) + p, tables[i], sequence_key=key)
+            for i, p, key in decodes
+        ]
+        for logits, (i, p, _) in zip(runner.forward(batch), decodes, strict=True):
+            assert_close_logits(logits, references[i][p])
+
+    runner.forward([SequenceBatchItem(ids[:-3], 0, tables[i]) for i, ids in enumerate(prompts)])
+    step((0, -3, "a"), (1, -3, "b"), (2, -3, "c"), (3, -3, "d"))
+    step((2, -2, "c"), (3, -2, "d"))  # a and b leave: the rows of c and d move down
+    step((3, -1, "d"), (1, -2, "c"), (0, -2, "a"))  # key c now names sequence 1; a returns
+    assert (runner.decode_rows.row_capacity > 0) == (rows_memory is None)

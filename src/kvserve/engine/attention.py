@@ -22,6 +22,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from kvserve.engine.decode_rows import RowPlacement
+
 
 def long_tensor(values: array, device: torch.device) -> torch.Tensor:
     """An int64 tensor from an ``array('q')``: several times faster than ``torch.tensor`` on
@@ -40,16 +42,19 @@ class SequenceSpan:
 
 @dataclass(frozen=True, slots=True)
 class _Group:
+    batch: int  # B: sequences (or decode rows) attended together
     num_queries: int  # Q: padded query length of every sequence in the group
-    block_tables: torch.Tensor  # [B, max_blocks], padded with block 0 (masked out)
+    num_keys: int  # K: padded key length
+    # [B, max_blocks] padded with block 0 (masked out); None: K/V come from decode rows.
+    block_tables: torch.Tensor | None
     # Where each layer gathers the group's K/V blocks: allocated once per step, not per layer.
-    kv_scratch: torch.Tensor  # [B * max_blocks, *kv_block_shape]
+    kv_scratch: torch.Tensor | None  # [B * max_blocks, *kv_block_shape]
     # window → additive [B, 1, Q, K], or None where SDPA's is_causal says the same
     masks: dict[int | None, torch.Tensor | None]
     # None when the group is the whole step in flat order with no padding (e.g. all
     # decodes): its queries and outputs are then plain views of the step's tensors.
     query_index: torch.Tensor | None  # [B * Q] flat token index of each padded query
-    valid: torch.Tensor | None  # [B * Q] which padded queries are real tokens
+    valid: torch.Tensor | None  # [B * Q] which padded queries are real tokens; None: all
     flat_valid_index: torch.Tensor | None  # flat token index of each real query
 
 
@@ -61,6 +66,10 @@ class StepLayout:
     slots: torch.Tensor  # [T] KV pool slot of each new token
     last_token_index: torch.Tensor  # [num_sequences] flat index of each sequence's last token
     groups: tuple[_Group, ...]
+    # Decode tokens whose K/V also go to their decode rows: row slots, and which tokens
+    # (a slice when they are the step's first ones, as the scheduler puts decodes first).
+    row_slots: torch.Tensor | None
+    row_token_index: torch.Tensor | slice
 
     @classmethod
     def build(
@@ -72,15 +81,17 @@ class StepLayout:
         windows: set[int | None],
         dtype: torch.dtype,
         device: torch.device,
+        rows: RowPlacement | None = None,
     ) -> StepLayout:
         """Python touches each sequence once and each of its blocks once, never each token:
-        positions and slots are appended a block's run at a time."""
+        positions and slots are appended a block's run at a time. ``rows``: where the
+        single-token spans (in order) attend from, if they use decode rows."""
         counts = [span.num_new for span in spans]
         used_blocks = [-(-(span.start_pos + span.num_new) // block_size) for span in spans]
         width = max(used_blocks)
         padded_tables, positions, slots = array("q"), array("q"), array("q")
         per_sequence = array("q", [span.start_pos for span in spans] + counts)
-        offset = 0
+        offset, flat_offsets = 0, []
         for span, used in zip(spans, used_blocks, strict=True):
             table, start = span.block_table, span.start_pos
             padded_tables.extend(table[:used])
@@ -98,6 +109,7 @@ class StepLayout:
                     base = (table[block_index] - block_index) * block_size
                     slots.extend(range(base + first, base + last))
             per_sequence.append(offset)
+            flat_offsets.append(offset)
             offset += span.num_new
         tables = long_tensor(padded_tables, device).view(len(spans), width)
         starts, num_new, offsets = long_tensor(per_sequence, device).view(3, -1)
@@ -105,10 +117,21 @@ class StepLayout:
         decode = [i for i, count in enumerate(counts) if count == 1]
         prefill = [i for i, count in enumerate(counts) if count > 1]
         members_of_groups = [members for members in (decode, prefill) if members]
+        whole_step = len(members_of_groups) == 1
         groups = tuple(
-            _build_group(
+            _build_rows_group(
+                [flat_offsets[i] for i in decode],
+                [spans[i].start_pos for i in decode],
+                rows,
+                whole_step=whole_step,
+                windows=windows,
+                dtype=dtype,
+                device=device,
+            )
+            if rows is not None and members is decode
+            else _build_group(
                 step,
-                None if len(members_of_groups) == 1 else members,
+                None if whole_step else members,
                 num_queries=max(counts[i] for i in members),
                 num_blocks=max(used_blocks[i] for i in members),
                 uniform=len({counts[i] for i in members}) == 1,
@@ -120,11 +143,22 @@ class StepLayout:
             )
             for members in members_of_groups
         )
+        row_slots, row_token_index = None, slice(0)
+        if rows is not None:
+            row_slots = rows.write_index
+            first_tokens = decode == list(range(len(decode)))
+            row_token_index = (
+                slice(len(decode))
+                if first_tokens
+                else long_tensor(array("q", (flat_offsets[i] for i in decode)), device)
+            )
         return cls(
             positions=long_tensor(positions, device),
             slots=long_tensor(slots, device),
             last_token_index=offsets + num_new - 1,
             groups=groups,
+            row_slots=row_slots,
+            row_token_index=row_token_index,
         )
 
 
@@ -168,19 +202,17 @@ def _build_group(
             # Plain causal attention from position 0: SDPA's is_causal (top-left aligned)
             # masks the padding keys too, and skips the blocks above the diagonal.
             masks[window] = None
-            continue
-        key_pos = torch.arange(num_keys, device=device)
-        delta = (starts[:, None] + clamped)[:, :, None] - key_pos  # [B, Q, K]; >= 0 is causal
-        blocked = (delta < 0) if window is None else (delta < 0) | (delta >= window)
-        additive = torch.zeros(blocked.shape, dtype=dtype, device=device)
-        masks[window] = additive.masked_fill_(blocked, float("-inf"))[:, None]  # [B, 1, Q, K]
+        else:
+            masks[window] = _additive_mask(starts[:, None] + clamped, num_keys, window, dtype)
     query_index = valid = flat_valid_index = None
     if members is not None or not uniform:
         query_index = (offsets[:, None] + clamped).view(-1)
         valid = (query_steps[None, :] < num_new[:, None]).view(-1)
         flat_valid_index = query_index[valid]
     return _Group(
+        batch=tables.shape[0],
         num_queries=num_queries,
+        num_keys=num_keys,
         block_tables=tables[:, :num_blocks].contiguous(),
         kv_scratch=torch.empty(
             (tables.shape[0] * num_blocks, *kv_block_shape), dtype=dtype, device=device
@@ -192,26 +224,81 @@ def _build_group(
     )
 
 
+def _build_rows_group(
+    flat_offsets: list[int],
+    starts: list[int],
+    placement: RowPlacement,
+    *,
+    whole_step: bool,
+    windows: set[int | None],
+    dtype: torch.dtype,
+    device: torch.device,
+) -> _Group:
+    """Single-token spans attending over their decode rows: row ``r`` of the attention
+    batch is decode row ``r``."""
+    count = len(starts)
+    query_of_row, position_of_row = [0] * count, [0] * count
+    for offset, start, row in zip(flat_offsets, starts, placement.rows, strict=True):
+        query_of_row[row], position_of_row[row] = offset, start
+    positions = long_tensor(array("q", position_of_row), device)
+    num_keys = max(starts) + 1
+    query_index = None
+    if not (whole_step and placement.rows == list(range(count))):
+        query_index = long_tensor(array("q", query_of_row), device)
+    return _Group(
+        batch=count,
+        num_queries=1,
+        num_keys=num_keys,
+        block_tables=None,
+        kv_scratch=None,
+        masks={
+            window: _additive_mask(positions[:, None], num_keys, window, dtype)
+            for window in windows
+        },
+        query_index=query_index,
+        valid=None,
+        flat_valid_index=query_index,
+    )
+
+
+def _additive_mask(
+    query_positions: torch.Tensor, num_keys: int, window: int | None, dtype: torch.dtype
+) -> torch.Tensor:
+    """``[B, 1, Q, K]``: 0 where query position ``[B, Q]`` may see key ``k``, else -inf."""
+    key_positions = torch.arange(num_keys, device=query_positions.device)
+    delta = query_positions[:, :, None] - key_positions  # [B, Q, K]; >= 0 is causal
+    blocked = (delta < 0) if window is None else (delta < 0) | (delta >= window)
+    additive = torch.zeros(blocked.shape, dtype=dtype, device=query_positions.device)
+    return additive.masked_fill_(blocked, float("-inf"))[:, None]
+
+
 def paged_attention(
     q: torch.Tensor,
     kv_pool: torch.Tensor,
+    kv_rows: torch.Tensor,
     layout: StepLayout,
     *,
     window: int | None,
     scale: float,
 ) -> torch.Tensor:
     """``q``: ``[T, num_heads, head_dim]`` for the step's new tokens, whose K/V are already
-    in ``kv_pool`` (``[num_blocks, block_size, 2 * num_kv_heads, head_dim]``). Returns the
-    attention output ``[T, num_heads, head_dim]``."""
+    in ``kv_pool`` (``[num_blocks, block_size, 2 * num_kv_heads, head_dim]``) and, for
+    decodes placed in rows, in ``kv_rows`` (``[rows, 2 * num_kv_heads, positions,
+    head_dim]``). Returns the attention output ``[T, num_heads, head_dim]``."""
     _, num_heads, head_dim = q.shape
     num_kv_heads = kv_pool.shape[2] // 2
     out = None
     for group in layout.groups:
-        batch, num_queries = group.block_tables.shape[0], group.num_queries
-        # index_select on the flat block axis is a row copy; advanced indexing of the 4-D
-        # pool is several times slower, and this gather is the step's largest cost.
-        kv = torch.index_select(kv_pool, 0, group.block_tables.view(-1), out=group.kv_scratch)
-        kv = kv.view(batch, -1, *kv_pool.shape[2:]).transpose(1, 2)  # [B, 2*KVH, K, D]
+        batch, num_queries = group.batch, group.num_queries
+        if group.block_tables is None:
+            kv = kv_rows[:batch, :, : group.num_keys]  # [B, 2*KVH, K, D]
+        else:
+            # index_select on the flat block axis is a row copy; advanced indexing of the
+            # 4-D pool is several times slower.
+            kv = torch.index_select(
+                kv_pool, 0, group.block_tables.view(-1), out=group.kv_scratch
+            ).view(batch, -1, *kv_pool.shape[2:])
+            kv = kv.transpose(1, 2)  # [B, 2*KVH, K, D]
         keys, values = kv[:, :num_kv_heads], kv[:, num_kv_heads:]
         queries = q if group.query_index is None else q[group.query_index]
         if num_queries == 1:
@@ -237,5 +324,5 @@ def paged_attention(
             return attended
         if out is None:
             out = torch.empty_like(q)
-        out[group.flat_valid_index] = attended[group.valid]
+        out[group.flat_valid_index] = attended if group.valid is None else attended[group.valid]
     return out

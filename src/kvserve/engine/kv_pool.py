@@ -31,6 +31,7 @@ class KVPool:
     ) -> None:
         if num_blocks <= 0 or block_size <= 0:
             raise ValueError(f"KV pool needs positive sizes, got {num_blocks=} {block_size=}")
+        self.num_layers = num_layers
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.num_kv_heads = num_kv_heads
@@ -50,6 +51,10 @@ class KVPool:
         element_size = torch.empty((), dtype=dtype).element_size()
         return num_layers * 2 * block_size * num_kv_heads * head_dim * element_size
 
+    @property
+    def nbytes(self) -> int:
+        return self._storage.nbytes
+
     def layer(self, layer: int) -> torch.Tensor:
         """``[num_blocks, block_size, 2 * num_kv_heads, head_dim]``, K heads first."""
         return self._layers[layer]
@@ -59,6 +64,10 @@ class KVPool:
 
     def values(self, layer: int) -> torch.Tensor:
         return self._layers[layer][:, :, self.num_kv_heads :]
+
+    def gather_all_layers(self, block_ids: torch.Tensor) -> torch.Tensor:
+        """``[num_layers, len(block_ids), block_size, 2 * num_kv_heads, head_dim]``, a copy."""
+        return self._storage.index_select(1, block_ids)
 
     def write(self, layer: int, slots: torch.Tensor, kv: torch.Tensor) -> None:
         """Store ``kv`` ``[num_tokens, 2 * num_kv_heads, head_dim]`` (K heads, then V) at

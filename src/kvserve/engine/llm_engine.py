@@ -209,6 +209,7 @@ class LLMEngine:
             token_ids=request.token_ids[chunk.start : chunk.start + chunk.num_tokens],
             start_pos=chunk.start,
             block_table=self.kv_cache.block_table(request.request_id),
+            sequence_key=request,  # this object, not its id: a later request may reuse an id
         )
 
     def _sampling_row(self, request: Request, generator: torch.Generator | None) -> SamplingRow:

@@ -8,12 +8,14 @@ sequences share one forward.
 from __future__ import annotations
 
 from array import array
+from collections.abc import Hashable
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from kvserve.engine.attention import SequenceSpan, StepLayout, long_tensor
+from kvserve.engine.decode_rows import DecodeRows
 from kvserve.engine.device import pick_device, pick_dtype
 from kvserve.engine.kv_pool import KVPool
 from kvserve.engine.model_config import ModelConfig
@@ -26,6 +28,13 @@ class SequenceBatchItem:
     token_ids: list[int]  # the tokens to compute this step
     start_pos: int  # tokens already in the KV cache for this sequence
     block_table: list[int]  # covers start_pos + len(token_ids) tokens
+    # Names the sequence across steps (e.g. its request), so that while it decodes step
+    # after step its K/V stay in a contiguous decode row; None: gathered afresh each step.
+    sequence_key: Hashable | None = None
+
+
+# Decode rows may use this much memory beyond the pool (a copy of the decoding contexts).
+DECODE_ROWS_MEMORY_FRACTION = 0.25
 
 
 class ModelRunner:
@@ -55,6 +64,9 @@ class ModelRunner:
             device=self.device,
         )
         self._windows = set(self.config.sliding_windows)
+        self.decode_rows = DecodeRows(
+            self.kv_pool, max_bytes=int(DECODE_ROWS_MEMORY_FRACTION * self.kv_pool.nbytes)
+        )
 
     @staticmethod
     def blocks_for_memory(
@@ -74,6 +86,12 @@ class ModelRunner:
     def forward(self, batch: list[SequenceBatchItem]) -> torch.Tensor:
         """Float32 logits ``[len(batch), vocab_size]`` of each item's last new token."""
         self._check(batch)
+        decoding = [item for item in batch if len(item.token_ids) == 1]
+        rows = self.decode_rows.place(
+            [item.sequence_key for item in decoding],
+            [item.start_pos for item in decoding],
+            [item.block_table for item in decoding],
+        )
         spans = [
             SequenceSpan(item.start_pos, len(item.token_ids), item.block_table) for item in batch
         ]
@@ -84,14 +102,23 @@ class ModelRunner:
             windows=self._windows,
             dtype=self.dtype,
             device=self.device,
+            rows=rows,
         )
         token_ids = array("q")
         for item in batch:
             token_ids.extend(item.token_ids)
         max_position = max(item.start_pos + len(item.token_ids) for item in batch) - 1
-        hidden = self.model.forward(
-            long_tensor(token_ids, self.device), layout, self.kv_pool, max_position
-        )
+        try:
+            hidden = self.model.forward(
+                long_tensor(token_ids, self.device),
+                layout,
+                self.kv_pool,
+                self.decode_rows,
+                max_position,
+            )
+        except BaseException:
+            self.decode_rows.clear()  # rows may hold some layers' new token, not others'
+            raise
         return self.model.logits(hidden)
 
     def _check(self, batch: list[SequenceBatchItem]) -> None:

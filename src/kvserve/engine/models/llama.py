@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from kvserve.engine.attention import StepLayout, paged_attention
+from kvserve.engine.decode_rows import DecodeRows
 from kvserve.engine.kv_pool import KVPool
 from kvserve.engine.model_config import ModelConfig
 from kvserve.engine.models.rope import RotaryTable, apply_rotary
@@ -132,7 +133,12 @@ class LlamaFamilyModel:
         self._scale = config.head_dim**-0.5
 
     def forward(
-        self, token_ids: torch.Tensor, layout: StepLayout, kv_pool: KVPool, max_position: int
+        self,
+        token_ids: torch.Tensor,
+        layout: StepLayout,
+        kv_pool: KVPool,
+        decode_rows: DecodeRows,
+        max_position: int,
     ) -> torch.Tensor:
         """Hidden states after the final norm for the step's last tokens: ``[num_seqs, hidden]``."""
         config = self.config
@@ -147,11 +153,17 @@ class LlamaFamilyModel:
             if layer.qk_norm is not None:
                 qk = rms_norm(qk, layer.qk_norm, config.rms_norm_eps)
             qk = apply_rotary(qk, cos, sin)
-            kv_pool.write(
-                index, layout.slots, torch.cat((qk[:, heads:], qkv[:, heads + kv_heads :]), 1)
-            )
+            kv = torch.cat((qk[:, heads:], qkv[:, heads + kv_heads :]), 1)
+            kv_pool.write(index, layout.slots, kv)
+            if layout.row_slots is not None:
+                decode_rows.write(index, layout.row_slots, kv[layout.row_token_index])
             attended = paged_attention(
-                qk[:, :heads], kv_pool.layer(index), layout, window=layer.window, scale=self._scale
+                qk[:, :heads],
+                kv_pool.layer(index),
+                decode_rows.layer(index),
+                layout,
+                window=layer.window,
+                scale=self._scale,
             )
             attended = attended.reshape(num_tokens, heads * config.head_dim)
             hidden = residual_linear(hidden, attended, layer.o_weight_t, layer.o_bias)
