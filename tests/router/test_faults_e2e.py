@@ -73,3 +73,26 @@ def test_killed_worker_is_skipped_then_readmitted() -> None:
         client.close()
         for process in (router, survivor, victim):
             process.stop()
+
+
+def test_a_worker_started_after_the_router_takes_traffic_within_seconds() -> None:
+    """With the default 60 s health interval, a worker still loading when the router
+    started must not wait for two more full intervals."""
+    late_port = free_port()
+    router = start_router(
+        [f"http://127.0.0.1:{late_port}"], free_port(), "--policy", "round_robin",
+        ready_path="/metrics",
+    )  # fmt: skip
+    late = None
+    try:
+        with httpx.Client(base_url=router.url, timeout=5.0) as client:
+            assert client.get("/workers").json()["workers"][0]["healthy"] is False
+            late = start_foreign_server("L", late_port)
+            _wait_for(
+                lambda: client.get("/workers").json()["workers"][0]["healthy"], 3.0, "it is used"
+            )
+            assert client.post("/v1/completions", json={"prompt": "a"}).status_code == 200
+    finally:
+        for process in (router, late):
+            if process is not None:
+                process.stop()

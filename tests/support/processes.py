@@ -25,8 +25,11 @@ def start_foreign_server(
     return ServerProcess(args, f"http://127.0.0.1:{port}", name=f"foreign-{name}").wait_healthy()
 
 
-def start_router(worker_urls: Sequence[str], port: int, *options: str) -> ServerProcess:
-    """``kvserve router`` over ``worker_urls``, healthy (some worker up) on return."""
+def start_router(
+    worker_urls: Sequence[str], port: int, *options: str, ready_path: str = "/health"
+) -> ServerProcess:
+    """``kvserve router`` over ``worker_urls``, answering 200 on ``ready_path`` on return
+    (``/health``: some worker is up; ``/metrics``: the router itself is)."""
     args = [
         *KVSERVE_COMMAND,
         "router",
@@ -36,4 +39,6 @@ def start_router(worker_urls: Sequence[str], port: int, *options: str) -> Server
         *worker_urls,
         *options,
     ]
-    return ServerProcess(args, f"http://127.0.0.1:{port}", name="router").wait_healthy()
+    return ServerProcess(args, f"http://127.0.0.1:{port}", name="router").wait_healthy(
+        path=ready_path
+    )

@@ -18,6 +18,7 @@ class Worker:
     breaker: CircuitBreaker
     pool: str = "regular"
     healthy: bool | None = None
+    ever_healthy: bool = False  # False while it may still be starting up
     _streak_ok: int = field(default=0, repr=False)
     _streak_failed: int = field(default=0, repr=False)
 
@@ -27,14 +28,15 @@ class Worker:
     def record_health(self, ok: bool, config: HealthCheckConfig) -> bool:
         """Count a health check; returns whether the worker's health changed.
 
-        The first answer decides at once (a new worker takes traffic when it is up);
+        The first answer decides at once, and so does the first OK of a worker that was
+        never healthy (a new or still-starting worker takes traffic as soon as it is up);
         afterwards it takes ``failure_threshold`` / ``success_threshold`` in a row.
         """
         before = self.healthy
         if ok:
             self._streak_ok, self._streak_failed = self._streak_ok + 1, 0
-            if self.healthy is None or self._streak_ok >= config.success_threshold:
-                self.healthy = True
+            if not self.ever_healthy or self._streak_ok >= config.success_threshold:
+                self.healthy = self.ever_healthy = True
         else:
             self._streak_ok, self._streak_failed = 0, self._streak_failed + 1
             if self.healthy is None or self._streak_failed >= config.failure_threshold:
