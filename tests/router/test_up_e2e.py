@@ -133,9 +133,17 @@ def test_ctrl_c_stops_everything(fleet) -> None:
     stop_and_check(up, signal.SIGINT, worker_urls)
 
 
-def test_children_stop_when_up_is_killed_outright(cache_dir: Path) -> None:
-    up = start_up(cache_dir, "--workers", "1")
+def test_kv_aware_fleet_hashes_prompts_then_sigkill_of_up_stops_its_children(
+    cache_dir: Path,
+) -> None:
+    up = start_up(cache_dir, "--workers", "1", "--policy", "kv_aware")
     try:
+        with httpx.Client(base_url=up.url, timeout=60.0) as client:
+            decisions = [
+                _chat(client, SYSTEM, question).headers["x-kvserve-decision"]
+                for question in ("What is the capital of France?", "Name a primary colour.")
+            ]
+        assert "reason=cache_hit" in decisions[1], decisions  # it has the model's tokenizer
         worker_urls = [w["url"] for w in httpx.get(up.url + "/workers").json()["workers"]]
         up.process.kill()  # SIGKILL to `kvserve up` alone: no chance to stop its children
         up.process.wait(timeout=10)

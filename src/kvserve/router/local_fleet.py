@@ -198,6 +198,8 @@ class LocalFleet:
                 worker.wait_healthy(timeout_s)
             args = [*KVSERVE_COMMAND, "router", "--policy", self._policy, "--host", self._host]
             args += ["--port", str(self._port)]
+            if self._policy == "kv_aware":  # workers serve a model name, not the folder
+                args += ["--tokenizer", str(self._model_dir)]
             for worker, role in zip(workers, self._roles, strict=True):
                 args += ["--worker-urls" if role == "mixed" else f"--{role}", worker.url]
             self._spawn("router", args, self.url, env).wait_healthy(timeout_s)
