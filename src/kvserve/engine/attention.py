@@ -28,6 +28,8 @@ from kvserve.engine.decode_rows import RowPlacement
 def long_tensor(values: array, device: torch.device) -> torch.Tensor:
     """An int64 tensor from an ``array('q')``: several times faster than ``torch.tensor`` on
     a list, which matters at one step per generated token."""
+    if not values:  # frombuffer refuses an empty buffer
+        return torch.empty(0, dtype=torch.long, device=device)
     return torch.frombuffer(values, dtype=torch.long).to(device)
 
 
@@ -64,7 +66,8 @@ class StepLayout:
 
     positions: torch.Tensor  # [T]
     slots: torch.Tensor  # [T] KV pool slot of each new token
-    last_token_index: torch.Tensor  # [num_sequences] flat index of each sequence's last token
+    # [num_sequences] flat index of each sequence's last token; None: every token is one
+    last_token_index: torch.Tensor | None
     groups: tuple[_Group, ...]
     # Decode tokens whose K/V also go to their decode rows: row slots, and which tokens
     # (a slice when they are the step's first ones, as the scheduler puts decodes first).
@@ -88,15 +91,18 @@ class StepLayout:
         single-token spans (in order) attend from, if they use decode rows."""
         counts = [span.num_new for span in spans]
         used_blocks = [-(-(span.start_pos + span.num_new) // block_size) for span in spans]
-        width = max(used_blocks)
+        all_single = max(counts) == 1
+        # Block tables are only read by groups that gather: not by decodes in rows.
+        width = 0 if rows is not None and all_single else max(used_blocks)
         padded_tables, positions, slots = array("q"), array("q"), array("q")
         per_sequence = array("q", [span.start_pos for span in spans] + counts)
         offset, flat_offsets = 0, []
         for span, used in zip(spans, used_blocks, strict=True):
             table, start = span.block_table, span.start_pos
-            padded_tables.extend(table[:used])
-            if used < width:
-                padded_tables.frombytes(bytes(8 * (width - used)))  # int64 zeros
+            if width:
+                padded_tables.extend(table[:used])
+                if used < width:
+                    padded_tables.frombytes(bytes(8 * (width - used)))  # int64 zeros
             if span.num_new == 1:  # the common decode case, without the block loop
                 positions.append(start)
                 slots.append(table[start // block_size] * block_size + start % block_size)
@@ -155,7 +161,7 @@ class StepLayout:
         return cls(
             positions=long_tensor(positions, device),
             slots=long_tensor(slots, device),
-            last_token_index=offsets + num_new - 1,
+            last_token_index=None if all_single else offsets + num_new - 1,
             groups=groups,
             row_slots=row_slots,
             row_token_index=row_token_index,
@@ -266,8 +272,10 @@ def _additive_mask(
 ) -> torch.Tensor:
     """``[B, 1, Q, K]``: 0 where query position ``[B, Q]`` may see key ``k``, else -inf."""
     key_positions = torch.arange(num_keys, device=query_positions.device)
-    delta = query_positions[:, :, None] - key_positions  # [B, Q, K]; >= 0 is causal
-    blocked = (delta < 0) if window is None else (delta < 0) | (delta >= window)
+    query_positions = query_positions[:, :, None]
+    blocked = key_positions > query_positions  # [B, Q, K]; one comparison, no [B, Q, K] ints
+    if window is not None:
+        blocked |= key_positions <= query_positions - window
     additive = torch.zeros(blocked.shape, dtype=dtype, device=query_positions.device)
     return additive.masked_fill_(blocked, float("-inf"))[:, None]
 

@@ -172,7 +172,7 @@ class LlamaFamilyModel:
             hidden = residual_linear(
                 hidden, F.silu(gate) * up, layer.down_weight_t, layer.down_bias
             )
-        last = hidden[layout.last_token_index]
+        last = hidden if layout.last_token_index is None else hidden[layout.last_token_index]
         return rms_norm(last, self.final_norm, config.rms_norm_eps)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
