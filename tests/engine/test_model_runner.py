@@ -175,3 +175,22 @@ def test_decodes_of_sequences_that_come_and_go(rows_memory, tiny_model_dirs, tok
     step((2, -2, "c"), (3, -2, "d"))  # a and b leave: the rows of c and d move down
     step((3, -1, "d"), (1, -2, "c"), (0, -2, "a"))  # key c now names sequence 1; a returns
     assert (runner.decode_rows.row_capacity > 0) == (rows_memory is None)
+
+
+@pytest.mark.parametrize("num_resumed", [2, 6], ids=["alone", "one padded group"])
+def test_prefill_chunks_grouped_any_way_give_their_own_logits(num_resumed, runners):
+    """Chunks resuming cached sequences (each alone, or many in one padded group), next to
+    prompts from position 0 (equal lengths batched): each sequence's logits are what it
+    gets when computed by itself."""
+    runner, rng = runners["qwen2"], random.Random(8)
+    prompts = [[rng.randrange(10, 900) for _ in range(rng.randint(12, 30))] for _ in range(8)]
+    prompts[-1] = prompts[-2][::-1]  # two equal-length prompts from position 0
+    blocks = shuffled_blocks(NUM_BLOCKS, seed=9)
+    tables = [blocks[i * 12 : (i + 1) * 12] for i in range(len(prompts))]
+    alone = [runner.forward([SequenceBatchItem(p, 0, tables[i])])[0] for i, p in enumerate(prompts)]
+    resumed = range(num_resumed)
+    runner.forward([SequenceBatchItem(prompts[i][:5], 0, tables[i]) for i in resumed])
+    batch = [SequenceBatchItem(prompts[i][5:], 5, tables[i]) for i in resumed]
+    batch += [SequenceBatchItem(prompts[i], 0, tables[i]) for i in range(num_resumed, 8)]
+    for ours, reference in zip(runner.forward(batch), alone, strict=True):
+        torch.testing.assert_close(ours, reference, atol=1e-5, rtol=1e-5)

@@ -55,9 +55,10 @@ class _Group:
     masks: dict[int | None, torch.Tensor | None]
     # None when the group is the whole step in flat order with no padding (e.g. all
     # decodes): its queries and outputs are then plain views of the step's tensors.
-    query_index: torch.Tensor | None  # [B * Q] flat token index of each padded query
+    # [B * Q] flat token index of each padded query (a slice when they are one run)
+    query_index: torch.Tensor | slice | None
     valid: torch.Tensor | None  # [B * Q] which padded queries are real tokens; None: all
-    flat_valid_index: torch.Tensor | None  # flat token index of each real query
+    flat_valid_index: torch.Tensor | slice | None  # flat token index of each real query
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,8 +122,7 @@ class StepLayout:
         starts, num_new, offsets = long_tensor(per_sequence, device).view(3, -1)
         step = _StepTensors(tables, starts, num_new, offsets)
         decode = [i for i, count in enumerate(counts) if count == 1]
-        prefill = [i for i, count in enumerate(counts) if count > 1]
-        members_of_groups = [members for members in (decode, prefill) if members]
+        members_of_groups = ([decode] if decode else []) + _prefill_groups(spans)
         whole_step = len(members_of_groups) == 1
         groups = tuple(
             _build_rows_group(
@@ -138,6 +138,7 @@ class StepLayout:
             else _build_group(
                 step,
                 None if whole_step else members,
+                flat_range=_flat_range(members, counts, flat_offsets),
                 num_queries=max(counts[i] for i in members),
                 num_blocks=max(used_blocks[i] for i in members),
                 uniform=len({counts[i] for i in members}) == 1,
@@ -178,10 +179,43 @@ class _StepTensors:
     offsets: torch.Tensor  # [N] flat index of each sequence's first new token
 
 
+# More prefill chunks than this that resume cached sequences share one padded group:
+# one SDPA call per layer for all of them beats many small calls.
+_MAX_SINGLE_PREFILL_GROUPS = 4
+
+
+def _prefill_groups(spans: Sequence[SequenceSpan]) -> list[list[int]]:
+    """Multi-token spans grouped so that little attention is padding: spans from position
+    0 with equal lengths together (plain causal, no padding), every other span alone (a
+    chunk after cached tokens needs a mask, but then no padded queries) unless there are
+    many, which then share one padded group."""
+    from_start: dict[int, list[int]] = {}
+    resumed: list[int] = []
+    for i, span in enumerate(spans):
+        if span.num_new > 1:
+            if span.start_pos == 0:
+                from_start.setdefault(span.num_new, []).append(i)
+            else:
+                resumed.append(i)
+    if len(resumed) > _MAX_SINGLE_PREFILL_GROUPS:
+        return [*from_start.values(), resumed]
+    return [*from_start.values(), *([i] for i in resumed)]
+
+
+def _flat_range(members: list[int], counts: list[int], flat_offsets: list[int]) -> slice | None:
+    """The step's tokens of ``members`` as one slice, when they are consecutive sequences of
+    equal length (so the group's queries are a plain view, with no padding)."""
+    first, last = members[0], members[-1]
+    if last - first + 1 != len(members) or len({counts[i] for i in members}) != 1:
+        return None
+    return slice(flat_offsets[first], flat_offsets[last] + counts[last])
+
+
 def _build_group(
     step: _StepTensors,
     members: list[int] | None,
     *,
+    flat_range: slice | None,
     num_queries: int,
     num_blocks: int,
     uniform: bool,
@@ -192,10 +226,15 @@ def _build_group(
     dtype: torch.dtype,
 ) -> _Group:
     """``members`` None: the group is every sequence of the step, in order. ``uniform``: all
-    have ``num_queries`` new tokens; ``from_start``: none has cached tokens."""
+    have ``num_queries`` new tokens; ``from_start``: none has cached tokens. ``flat_range``:
+    the group's tokens, when they are one unpadded run of the step's."""
     tables, starts, num_new, offsets = step.tables, step.starts, step.num_new, step.offsets
     if members is not None:
-        rows = torch.tensor(members, dtype=torch.long, device=tables.device)
+        rows: slice | torch.Tensor = (
+            slice(members[0], members[-1] + 1)
+            if flat_range is not None
+            else torch.tensor(members, dtype=torch.long, device=tables.device)
+        )
         tables, starts, num_new, offsets = tables[rows], starts[rows], num_new[rows], offsets[rows]
     device = tables.device
     num_keys = num_blocks * block_size
@@ -211,7 +250,9 @@ def _build_group(
         else:
             masks[window] = _additive_mask(starts[:, None] + clamped, num_keys, window, dtype)
     query_index = valid = flat_valid_index = None
-    if members is not None or not uniform:
+    if members is not None and flat_range is not None:
+        query_index = flat_valid_index = flat_range
+    elif members is not None or not uniform:
         query_index = (offsets[:, None] + clamped).view(-1)
         valid = (query_steps[None, :] < num_new[:, None]).view(-1)
         flat_valid_index = query_index[valid]
