@@ -35,6 +35,12 @@ def test_text_and_token_prompts_give_one_result_each(llm):
     single = llm.generate("The quick brown fox", GREEDY)
     assert len(single) == 1 and single[0].token_ids == results[0].token_ids
     assert llm.generate(token_prompt, GREEDY)[0].token_ids == results[1].token_ids
+    # A stop string needs the text every step, though LLM otherwise detokenizes once.
+    text = results[1].text
+    stop = text[2:4]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, stop=[stop])
+    cut = llm.generate(token_prompt, params)[0]
+    assert (cut.text, cut.finish_reason) == (text[: text.index(stop)], "stop")
     assert_all_blocks_released(llm)
 
 

@@ -30,7 +30,8 @@ Conversation = list[dict[str, Any]]
 class LLM:
     def __init__(self, model: str | Path, **engine_options: Any) -> None:
         """``engine_options`` are :class:`LLMEngine`'s keyword arguments."""
-        self.engine = LLMEngine(model, **engine_options)
+        # Results carry only whole texts, so the engine need not detokenize every step.
+        self.engine = LLMEngine(model, **{"stream_text": False, **engine_options})
         self._ids = itertools.count()
 
     def get_tokenizer(self) -> Tokenizer:

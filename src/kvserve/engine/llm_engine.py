@@ -72,6 +72,7 @@ class LLMEngine:
         seed: int | None = None,
         runner: CostModelRunner | None = None,  # stands in for the model (no weights)
         kv_tiers: KVTierConfig | None = None,  # host memory and storage below the device
+        stream_text: bool = True,  # False: text only in a request's last output
     ) -> None:
         config = ModelConfig.from_dir(model_dir)
         if num_blocks is None:
@@ -95,6 +96,10 @@ class LLMEngine:
             self.kv_cache, SchedulerConfig(max_num_batched_tokens, max_num_seqs)
         )
         self.sampler = Sampler(self.runner.device, seed)
+        # Offline callers read only the final text: detokenizing once per request instead
+        # of once per token saves two tokenizer calls per token (stop strings still need
+        # the text every step).
+        self._stream_text = stream_text
         self.tiers: KVTiers | None = None
         if kv_tiers is not None and kv_tiers.enabled:
             if runner is not None:
@@ -197,7 +202,8 @@ class LLMEngine:
             return outputs
         generations = [self._generations[plan.chunks[i].request.request_id] for i in rows]
         tokens = self.sampler.sample(
-            logits[rows], [self._sampling_row(g.request, g.generator) for g in generations]
+            logits if len(rows) == len(plan.chunks) else logits[rows],
+            [self._sampling_row(g.request, g.generator) for g in generations],
         )
         for generation, token in zip(generations, tokens, strict=True):
             outputs.append(self._append_token(generation, token))
@@ -224,11 +230,15 @@ class LLMEngine:
         request = generation.request
         request.token_ids.append(token)
         reason = token_finish_reason(request, self.eos_token_ids)
-        new_text = generation.detokenizer.push([token])
+        stops = request.params.stop
+        new_text = ""
+        if self._stream_text or stops:
+            new_text = generation.detokenizer.push([token])
+        elif reason is not None:
+            new_text = generation.detokenizer.push(request.output_token_ids)
         if reason is not None:
             new_text += generation.detokenizer.finish()
         generation.text += new_text
-        stops = request.params.stop
         if stops and request.num_output_tokens >= request.params.min_tokens:
             cut = find_stop_string(generation.text, stops, len(new_text))
             if cut is not None:

@@ -40,12 +40,14 @@ class Sampler:
         else:
             self.generator.manual_seed(seed)
 
+    @torch.inference_mode()  # the runner's logits are inference tensors, changed in place
     def sample(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> list[int]:
         """One token id per row of ``logits`` (``[len(rows), vocab]``, modified in place)."""
         for i, row in enumerate(rows):
             if row.suppressed_token_ids:
                 logits[i, list(row.suppressed_token_ids)] = -torch.inf
-        chosen = logits.argmax(dim=-1)
+        # max's indices are argmax's (first of ties), and on CPU max is ~2x faster
+        chosen = logits.max(dim=-1).indices
         random_rows = [i for i, row in enumerate(rows) if not row.params.greedy]
         if random_rows:
             params = [rows[i].params for i in random_rows]
