@@ -16,8 +16,9 @@ exactly its ``max_tokens``; vLLM's offline benchmark does the same):
   the same length cold, through ``LLMEngine`` steps.
 
 Rounds alternate between the contenders so machine noise hits both alike; the best round
-(least disturbed by other jobs on a shared machine) and the median are both reported.
-Both sides run with ``--threads`` torch threads.
+(least disturbed by other jobs on a shared machine) and the median are both reported, and
+the median of the per-round ratios in wall time and in process CPU time (which other jobs
+disturb least). Both sides run with ``--threads`` torch threads.
 Run: ``python benchmarks/engine_throughput.py [--arch llama] [--rounds 5]``.
 """
 
@@ -57,10 +58,16 @@ def random_prompt(length: int, rng: random.Random, vocab_size: int) -> list[int]
     return [rng.randrange(10, vocab_size) for _ in range(length)]
 
 
-def timed(fn: Callable[[], object]) -> float:
-    started = time.perf_counter()
+@dataclass(frozen=True)
+class Timing:
+    wall: float
+    cpu: float  # process CPU time: what other jobs on a shared machine disturb least
+
+
+def timed(fn: Callable[[], object]) -> Timing:
+    wall, cpu = time.perf_counter(), time.process_time()
     fn()
-    return time.perf_counter() - started
+    return Timing(time.perf_counter() - wall, time.process_time() - cpu)
 
 
 def hf_generate(model, prompts: list[list[int]], max_new_tokens: int) -> None:
@@ -88,13 +95,13 @@ def kvserve_generate(llm: LLM, prompts: list[list[int]], outputs: list[int]) -> 
 
 def throughput(
     args: argparse.Namespace, model_dir: Path, workloads: list[Workload]
-) -> dict[str, tuple[list[float], list[float]]]:
-    """Seconds per round of (kvserve, transformers) for each whole workload."""
+) -> dict[str, tuple[list[Timing], list[Timing]]]:
+    """Times per round of (kvserve, transformers) for each whole workload."""
     hf_model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     llm = LLM(model_dir, max_num_seqs=args.batch, max_num_batched_tokens=args.budget)
     vocab_size = llm.engine.runner.config.vocab_size
     rng = random.Random(0)
-    seconds: dict[str, tuple[list[float], list[float]]] = {w.name: ([], []) for w in workloads}
+    seconds: dict[str, tuple[list[Timing], list[Timing]]] = {w.name: ([], []) for w in workloads}
     for round_index in range(args.rounds + 1):  # round 0 warms both up
         for workload in workloads:
             # Fresh prompts each round: the prefix cache must not serve earlier rounds.
@@ -184,13 +191,15 @@ def main() -> None:
             f"{min(workload.prompt_lengths)}-{max(workload.prompt_lengths)} tokens, "
             f"{tokens} output tokens"
         )
-        for label, k, h in zip(
-            ("best", "median"), *map(best_and_median, (ours, theirs)), strict=True
-        ):
+        walls = [t.wall for t in ours], [t.wall for t in theirs]
+        for label, k, h in zip(("best", "median"), *map(best_and_median, walls), strict=True):
             print(
                 f"  throughput ({label:6})  kvserve {tokens / k:8.1f} tok/s   "
                 f"transformers {tokens / h:8.1f} tok/s   ratio {h / k:.2f}x"
             )
+        paired = statistics.median(h.wall / k.wall for k, h in zip(ours, theirs, strict=True))
+        cpu = statistics.median(h.cpu / k.cpu for k, h in zip(ours, theirs, strict=True))
+        print(f"  median of per-round ratios: wall {paired:.2f}x   CPU time {cpu:.2f}x")
     for label, c, w in zip(("best", "median"), *map(best_and_median, (cold, cached)), strict=True):
         print(
             f"TTFT {args.ttft_prompt} tokens ({label:6})  cold {c * 1000:7.1f} ms   "

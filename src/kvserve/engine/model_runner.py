@@ -33,7 +33,9 @@ class SequenceBatchItem:
     sequence_key: Hashable | None = None
 
 
-# Decode rows may use this much memory beyond the pool (a copy of the decoding contexts).
+# Decode rows may use this much memory beyond the pool (a copy of the decoding contexts),
+# on CPU only: there the per-step gather of every context is memory-bound and host memory
+# is plentiful, while an accelerator's pool is sized to fill its memory and gathers fast.
 DECODE_ROWS_MEMORY_FRACTION = 0.25
 
 
@@ -64,8 +66,9 @@ class ModelRunner:
             device=self.device,
         )
         self._windows = set(self.config.sliding_windows)
+        rows_fraction = DECODE_ROWS_MEMORY_FRACTION if self.device.type == "cpu" else 0.0
         self.decode_rows = DecodeRows(
-            self.kv_pool, max_bytes=int(DECODE_ROWS_MEMORY_FRACTION * self.kv_pool.nbytes)
+            self.kv_pool, max_bytes=int(rows_fraction * self.kv_pool.nbytes)
         )
 
     @staticmethod
