@@ -107,6 +107,23 @@ def test_malformed_body_is_400(worker: ServerProcess, raw: bytes) -> None:
     assert response.json()["error"]["type"] == "invalid_request_error"
 
 
+@pytest.mark.parametrize("content_type", ["text/plain", "application/x-www-form-urlencoded"])
+def test_json_body_declared_as_another_media_type_is_400(
+    worker: ServerProcess, content_type: str
+) -> None:
+    """As FastAPI reads bodies: only JSON media types (or none declared) are parsed."""
+    with api(worker) as client:
+        raw = httpx.Request("POST", "/", json=valid(worker)).content
+        refused = client.post(
+            "/v1/completions", content=raw, headers={"content-type": content_type}
+        )
+        served = client.post(
+            "/v1/completions", content=raw, headers={"content-type": "application/vnd.api+json"}
+        )
+    assert_error(refused, 400, None)
+    assert served.status_code == 200, served.text
+
+
 def test_fifty_megabyte_body_is_413(worker: ServerProcess) -> None:
     huge = b'{"prompt": "' + b"a" * (50 * 1024 * 1024) + b'"}'
     with api(worker) as client:

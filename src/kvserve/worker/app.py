@@ -22,7 +22,7 @@ from kvserve.worker.errors import APIError, install_error_handlers
 from kvserve.worker.events import build_events_router
 from kvserve.worker.json_response import JSONResponse
 from kvserve.worker.metrics import WorkerMetrics
-from kvserve.worker.openai_api import OpenAIEndpoints, build_openai_router
+from kvserve.worker.openai_api import GenerationRoutes, OpenAIEndpoints, build_openai_router
 from kvserve.worker.pd_api import PDService
 from kvserve.worker.worker_header import WorkerHeaderMiddleware
 
@@ -82,6 +82,7 @@ def build_app(config: WorkerConfig, engine: Any) -> FastAPI:
             raise APIError(500, f"KV cache invariant broken: {exc}", code="ledger_broken") from exc
         return JSONResponse({"ok": True})
 
+    app.add_middleware(GenerationRoutes, endpoints=endpoints)
     app.add_middleware(BodyLimitMiddleware, max_body_bytes=config.max_body_bytes)
     app.add_middleware(WorkerHeaderMiddleware, worker_id=worker_id)
     return app
