@@ -18,6 +18,8 @@ import time
 import torch
 from transformers import AutoModelForCausalLM
 
+from kvserve.engine.llm_engine import DEFAULT_KV_CACHE_MEMORY
+from kvserve.engine.model_config import ModelConfig
 from kvserve.engine.model_runner import ModelRunner, SequenceBatchItem
 from kvserve.engine.tiny_model import make_tiny_model
 
@@ -35,8 +37,10 @@ def runner_generate(
     outputs = [[int(t)] for t in logits.argmax(-1)]
     for step in range(1, new_tokens):
         start = len(prompts[0]) + step - 1
+        # Keys as the engine passes them: each sequence keeps its decode row across steps.
         batch = [
-            SequenceBatchItem(out[-1:], start, t) for out, t in zip(outputs, tables, strict=True)
+            SequenceBatchItem(out[-1:], start, t, sequence_key=i)
+            for i, (out, t) in enumerate(zip(outputs, tables, strict=True))
         ]
         for out, token in zip(outputs, runner.forward(batch).argmax(-1).tolist(), strict=True):
             out.append(token)
@@ -77,7 +81,11 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         folder = make_tiny_model(tmp, args.arch)
         model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-        blocks = args.batch * -(-(args.prompt_len + args.new_tokens) // BLOCK_SIZE)
+        # The engine's default pool (decode rows may take a quarter of it on top).
+        config = ModelConfig.from_dir(folder)
+        blocks = ModelRunner.blocks_for_memory(
+            config, BLOCK_SIZE, DEFAULT_KV_CACHE_MEMORY, torch.float32
+        )
         runner = ModelRunner(folder, num_blocks=blocks, block_size=BLOCK_SIZE)
     generator = torch.Generator().manual_seed(0)
     prompts = torch.randint(10, 900, (args.batch, args.prompt_len), generator=generator).tolist()
