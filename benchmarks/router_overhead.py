@@ -5,7 +5,10 @@ server (which answers at once), with the same policy. Rounds alternate between t
 that machine noise hits all of them alike. Reported:
 
 - added latency: median (p50) and p99 per request at concurrency 1, minus the direct figure;
-- max requests/s: a closed loop of ``--concurrency`` clients for ``--duration`` seconds.
+- max requests/s: a closed loop of ``--concurrency`` clients for ``--duration`` seconds;
+- router CPU per request in that loop (user + system time of the router process, from
+  ``/proc``, so Linux only): on a shared box this is steadier than requests/s, which
+  also depends on how the client and the upstream get the cores.
 
 Run: ``python benchmarks/router_overhead.py [--policy cache_aware] [--rounds 3]``
 (needs ``pip install sglang-router``).
@@ -15,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import statistics
 import sys
 import time
@@ -75,6 +79,12 @@ async def _throughput(url: str, concurrency: int, duration_s: float) -> float:
         return done / (time.perf_counter() - started)
 
 
+def _cpu_seconds(pid: int) -> float:
+    """User + system CPU time the process has used so far."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def _percentile(values: list[float], q: float) -> float:
     return statistics.quantiles(values, n=100)[int(q) - 1]
 
@@ -97,17 +107,21 @@ def main() -> None:
         started.append(start_foreign_server("fast", free_port()))
         started.append(start_router([started[0].url], free_port(), "--policy", args.policy))
         started.append(start_sglang_router(started[0].url, free_port(), args.policy))
-        targets = dict(zip(("direct", "kvserve", "sglang"), (p.url for p in started), strict=True))
+        targets = dict(zip(("direct", "kvserve", "sglang"), started, strict=True))
         latency: dict[str, list[float]] = {name: [] for name in targets}
         throughput: dict[str, list[float]] = {name: [] for name in targets}
-        for url in targets.values():  # warm connections and the routers' trees
-            asyncio.run(_latencies(url, 20))
+        cpu_per_request: dict[str, list[float]] = {name: [] for name in targets}
+        for target in targets.values():  # warm connections and the routers' trees
+            asyncio.run(_latencies(target.url, 20))
         for round_index in range(args.rounds):
-            for name, url in targets.items():
-                latency[name] += asyncio.run(_latencies(url, args.requests))
-                throughput[name].append(
-                    asyncio.run(_throughput(url, args.concurrency, args.duration))
-                )
+            for name, target in targets.items():
+                latency[name] += asyncio.run(_latencies(target.url, args.requests))
+                cpu_before, started_at = _cpu_seconds(target.process.pid), time.perf_counter()
+                rate = asyncio.run(_throughput(target.url, args.concurrency, args.duration))
+                requests = rate * (time.perf_counter() - started_at)
+                cpu_used = _cpu_seconds(target.process.pid) - cpu_before
+                throughput[name].append(rate)
+                cpu_per_request[name].append(cpu_used / requests)
             print(f"round {round_index + 1}/{args.rounds} done", file=sys.stderr)
     finally:
         for process in reversed(started):
@@ -121,25 +135,25 @@ def main() -> None:
     )
     print(
         f"{'target':<8} {'p50 ms':>8} {'p99 ms':>8} {'added p50':>10} {'added p99':>10} "
-        f"{'max req/s':>10}"
+        f"{'max req/s':>10} {'CPU us/req':>10}"
     )
     for name in targets:
         p50 = statistics.median(latency[name])
         p99 = _percentile(latency[name], 99)
         rps = statistics.median(throughput[name])
+        cpu = statistics.median(cpu_per_request[name])
         print(
             f"{name:<8} {p50 * 1e3:>8.2f} {p99 * 1e3:>8.2f} {(p50 - direct_p50) * 1e3:>10.2f} "
-            f"{(p99 - direct_p99) * 1e3:>10.2f} {rps:>10.0f}"
+            f"{(p99 - direct_p99) * 1e3:>10.2f} {rps:>10.0f} {cpu * 1e6:>10.0f}"
         )
     kv, sg = statistics.median(latency["kvserve"]), statistics.median(latency["sglang"])
     print(
         f"kvserve/sglang added-latency ratio (p50): "
         f"{(kv - direct_p50) / max(sg - direct_p50, 1e-9):.2f}"
     )
-    print(
-        f"kvserve/sglang max req/s ratio: "
-        f"{statistics.median(throughput['kvserve']) / statistics.median(throughput['sglang']):.2f}"
-    )
+    for label, values in (("max req/s", throughput), ("CPU per request", cpu_per_request)):
+        ratio = statistics.median(values["kvserve"]) / statistics.median(values["sglang"])
+        print(f"kvserve/sglang {label} ratio: {ratio:.2f}")
 
 
 if __name__ == "__main__":
