@@ -72,7 +72,7 @@ class StepLayout:
     groups: tuple[_Group, ...]
     # Decode tokens whose K/V also go to their decode rows: row slots, and which tokens
     # (a slice when they are the step's first ones, as the scheduler puts decodes first).
-    row_slots: torch.Tensor | None
+    row_slots: tuple[torch.Tensor, torch.Tensor] | None  # (row, position) per decode token
     row_token_index: torch.Tensor | slice
 
     @classmethod

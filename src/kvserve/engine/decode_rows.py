@@ -29,9 +29,8 @@ class RowPlacement:
     """Rows ``[0, len(rows))`` are the step's decoding items, item ``i`` in ``rows[i]``."""
 
     rows: list[int]
-    # Where each item's new K/V go in the flat ``[rows * 2 * kv_heads * length, head_dim]``
-    # view of a layer: ``[num_items * 2 * kv_heads]``, item by item, K heads then V heads.
-    write_index: torch.Tensor
+    # (row, position) of each item's new token: where its K/V go in a layer.
+    write_index: tuple[torch.Tensor, torch.Tensor]
 
 
 class DecodeRows:
@@ -63,10 +62,12 @@ class DecodeRows:
         """``[row_capacity, 2 * kv_heads, row_length_capacity, head_dim]``."""
         return self._storage[layer]
 
-    def write(self, layer: int, write_index: torch.Tensor, kv: torch.Tensor) -> None:
-        """Store ``kv`` ``[num_items, 2 * kv_heads, head_dim]`` at ``write_index``."""
-        flat = self._storage[layer].view(-1, self._head_dim)
-        flat.index_copy_(0, write_index, kv.reshape(-1, self._head_dim))
+    def write(
+        self, layer: int, write_index: tuple[torch.Tensor, torch.Tensor], kv: torch.Tensor
+    ) -> None:
+        """Store ``kv`` ``[num_items, 2 * kv_heads, head_dim]`` (may be strided) at
+        ``write_index``."""
+        self._storage[layer].transpose(1, 2).index_put_(write_index, kv)
 
     def clear(self) -> None:
         """Forget every row (after a failed step, whose writes may be partial)."""
@@ -105,13 +106,11 @@ class DecodeRows:
         self._row_length = {row: start + 1 for row, start in zip(rows, starts, strict=True)}
         return RowPlacement(rows, self._write_index(rows, starts))
 
-    def _write_index(self, rows: list[int], starts: Sequence[int]) -> torch.Tensor:
-        heads, length = self._num_heads, self.row_length_capacity
-        row_start = torch.tensor(rows, dtype=torch.long) * (heads * length)
-        position = torch.tensor(starts, dtype=torch.long)
-        head_offset = torch.arange(heads, dtype=torch.long) * length
-        index = (row_start + position)[:, None] + head_offset
-        return index.view(-1).to(self._storage.device)
+    def _write_index(
+        self, rows: list[int], starts: Sequence[int]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        index = torch.tensor([rows, starts], dtype=torch.long, device=self._storage.device)
+        return index[0], index[1]
 
     def _reserve(self, num_rows: int, row_length: int) -> bool:
         """Grow the storage to hold ``num_rows`` rows of ``row_length`` tokens."""

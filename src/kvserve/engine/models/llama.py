@@ -152,13 +152,14 @@ class LlamaFamilyModel:
             qk = qkv[:, : heads + kv_heads]
             if layer.qk_norm is not None:
                 qk = rms_norm(qk, layer.qk_norm, config.rms_norm_eps)
-            qk = apply_rotary(qk, cos, sin)
-            kv = torch.cat((qk[:, heads:], qkv[:, heads + kv_heads :]), 1)
+            # Rotated in place: K then sits next to V, as a pool slot stores them.
+            apply_rotary(qk, cos, sin, out=qkv[:, : heads + kv_heads])
+            kv = qkv[:, heads:]
             kv_pool.write(index, layout.slots, kv)
             if layout.row_slots is not None:
                 decode_rows.write(index, layout.row_slots, kv[layout.row_token_index])
             attended = paged_attention(
-                qk[:, :heads],
+                qkv[:, :heads],
                 kv_pool.layer(index),
                 decode_rows.layer(index),
                 layout,

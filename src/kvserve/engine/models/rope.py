@@ -123,7 +123,14 @@ class RotaryTable:
         return self._cos[positions][:, None], self._sin[positions][:, None]
 
 
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
-    """Rotate ``x`` ``[T, heads, head_dim]`` by the half-split convention Llama uses."""
+def apply_rotary(
+    x: torch.Tensor,
+    cos: torch.Tensor,
+    signed_sin: torch.Tensor,
+    *,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Rotate ``x`` ``[T, heads, head_dim]`` by the half-split convention Llama uses; ``out``
+    may be ``x`` itself (both terms are computed before it is written)."""
     swapped = x.roll(x.shape[-1] // 2, -1)  # [x2, x1]; the sign is in signed_sin
-    return torch.addcmul(x * cos, swapped, signed_sin)
+    return torch.addcmul(x * cos, swapped, signed_sin, out=out)
