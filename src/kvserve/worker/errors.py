@@ -63,6 +63,12 @@ class APIError(Exception):
         return JSONResponse(self.body(), status_code=self.status)
 
 
+def internal_error(exc: Exception) -> JSONResponse:
+    """A fault in the worker itself: logged with its traceback, reported without it."""
+    logger.exception("unhandled error in worker", exc_info=exc)
+    return APIError(500, f"Internal error: {type(exc).__name__}").response()
+
+
 def invalid_request(message: str, param: str | None = None) -> APIError:
     return APIError(400, message, param=param, code="invalid_value")
 
@@ -103,5 +109,4 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(Exception)
     async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
-        logger.exception("unhandled error in worker", exc_info=exc)
-        return APIError(500, f"Internal error: {type(exc).__name__}").response()
+        return internal_error(exc)

@@ -26,7 +26,12 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from kvserve.core.sampling_params import InvalidParameterError, SamplingParams
 from kvserve.engine.chat_template import ChatTemplateError
 from kvserve.worker.async_engine import AsyncEngine
-from kvserve.worker.errors import APIError, invalid_request, validation_error_to_api_error
+from kvserve.worker.errors import (
+    APIError,
+    internal_error,
+    invalid_request,
+    validation_error_to_api_error,
+)
 from kvserve.worker.generation import Generation
 from kvserve.worker.json_response import JSONResponse
 from kvserve.worker.metrics import WorkerMetrics
@@ -150,7 +155,7 @@ def build_openai_router(endpoints: OpenAIEndpoints) -> APIRouter:
 class GenerationRoutes:
     """ASGI middleware serving ``POST /v1/completions`` and ``/v1/chat/completions`` as
     the FastAPI routes would (API key, then the body validated strictly in one pydantic
-    call), and passing every other request on to ``app``."""
+    call, errors as OpenAI bodies), and passing every other request on to ``app``."""
 
     def __init__(self, app: ASGIApp, endpoints: OpenAIEndpoints) -> None:
         self.app = app
@@ -175,6 +180,8 @@ class GenerationRoutes:
             response = await handler(request, body)
         except APIError as exc:
             response = exc.response()
+        except Exception as exc:  # FastAPI's own handlers are behind this layer
+            response = internal_error(exc)
         await response(scope, receive, send)
 
 
