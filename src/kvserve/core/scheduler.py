@@ -84,10 +84,6 @@ class _StepPlan:
     rejected: list[Request] = field(default_factory=list)
 
 
-def _decode_first(request: Request) -> tuple[bool, int]:
-    return (not request.is_decoding, request.arrival_order)
-
-
 def _by_arrival(request: Request) -> int:
     return request.arrival_order
 
@@ -153,7 +149,12 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         plan = _StepPlan(budget=self.config.max_num_batched_tokens)
-        for request in sorted(self.running, key=_decode_first):
+        # Decodes first, each part in arrival order (``running`` already is): a stable
+        # partition, with no sort.
+        decoding, prefilling = [], []
+        for request in self.running:
+            (decoding if request.is_decoding else prefilling).append(request)
+        for request in decoding + prefilling:
             if plan.budget == 0:
                 break
             if request.status is RequestStatus.RUNNING:

@@ -12,8 +12,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from kvserve.core.hashing import make_namespace
 from kvserve.core.kv_cache_manager import KVCacheManager
 from kvserve.core.kv_events import EventLog
@@ -42,7 +40,7 @@ class _Generation:
 
     request: Request
     detokenizer: IncrementalDetokenizer
-    generator: torch.Generator | None
+    sampling: SamplingRow  # how its tokens are chosen once min_tokens are out
     holdback: int  # trailing characters that may still turn into a stop string
     text: str = ""  # output text so far, stop string cut
     num_sent_chars: int = 0  # of ``text``
@@ -146,7 +144,10 @@ class LLMEngine:
         )
         self.scheduler.add(request)
         self._generations[request_id] = _Generation(
-            request, self.tokenizer.detokenizer(token_ids), generator, stop_holdback(params.stop)
+            request,
+            self.tokenizer.detokenizer(token_ids),
+            SamplingRow(params, generator),
+            stop_holdback(params.stop),
         )
 
     def _prompt_token_ids(self, prompt: str | list[int]) -> list[int]:
@@ -203,7 +204,7 @@ class LLMEngine:
         generations = [self._generations[plan.chunks[i].request.request_id] for i in rows]
         tokens = self.sampler.sample(
             logits if len(rows) == len(plan.chunks) else logits[rows],
-            [self._sampling_row(g.request, g.generator) for g in generations],
+            [self._sampling_row(g) for g in generations],
         )
         for generation, token in zip(generations, tokens, strict=True):
             outputs.append(self._append_token(generation, token))
@@ -218,13 +219,14 @@ class LLMEngine:
             sequence_key=request,  # this object, not its id: a later request may reuse an id
         )
 
-    def _sampling_row(self, request: Request, generator: torch.Generator | None) -> SamplingRow:
+    def _sampling_row(self, generation: _Generation) -> SamplingRow:
+        """The request's own row, or below ``min_tokens`` one that masks its stop tokens."""
+        request = generation.request
         params = request.params
-        suppressed: tuple[int, ...] = ()
-        if request.num_output_tokens < params.min_tokens:
-            eos = () if params.ignore_eos else tuple(self.eos_token_ids)
-            suppressed = (*params.stop_token_ids, *eos)
-        return SamplingRow(params, generator, suppressed)
+        if request.num_output_tokens >= params.min_tokens:
+            return generation.sampling
+        eos = () if params.ignore_eos else tuple(self.eos_token_ids)
+        return SamplingRow(params, generation.sampling.generator, (*params.stop_token_ids, *eos))
 
     def _append_token(self, generation: _Generation, token: int) -> RequestOutput:
         request = generation.request
