@@ -12,7 +12,7 @@ import itertools
 import time
 import uuid
 from collections.abc import AsyncIterator, Coroutine
-from typing import Any
+from typing import Any, TypeVar
 
 import orjson
 from starlette.requests import Request
@@ -26,6 +26,8 @@ from kvserve.worker.metrics import RequestTimer, WorkerMetrics
 from kvserve.worker.responses import ResponseFormat, usage
 
 _SSE_DONE = b"data: [DONE]\n\n"
+
+T = TypeVar("T")
 
 # Request ids: a random tag per process plus a counter. uuid4 per request costs a
 # getrandom() system call each, which shows in the per-request overhead.
@@ -126,19 +128,32 @@ class Generation:
         return b"data: " + orjson.dumps(body) + b"\n\n"
 
 
-async def _unless_disconnected(receive: Receive, work: Coroutine[Any, Any, Any]) -> Any:
-    """Runs ``work``; returns None (cancelling it) if the client disconnects first."""
-    work_task = asyncio.ensure_future(work)
+async def _unless_disconnected(receive: Receive, work: Coroutine[Any, Any, T]) -> T | None:
+    """Awaits ``work`` in this task; returns None (cancelling it) if the client disconnects
+    first. A watcher task cancels this one on disconnect: cheaper than running ``work`` in a
+    task of its own and racing the two with ``asyncio.wait``."""
+    task = asyncio.current_task()
+    assert task is not None, "called from a coroutine, so within a task"
+    watching = True
+    disconnected = False
+
+    def on_disconnect(watcher: asyncio.Task[None]) -> None:
+        nonlocal disconnected
+        if watching and not watcher.cancelled():
+            disconnected = True
+            task.cancel()
+
     watcher = asyncio.ensure_future(_wait_for_disconnect(receive))
+    watcher.add_done_callback(on_disconnect)
     try:
-        await asyncio.wait({work_task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        return await work
+    except asyncio.CancelledError:
+        if disconnected and task.uncancel() == 0:
+            return None  # cancelled by the watcher alone, not also from outside
+        raise
     finally:
+        watching = False
         watcher.cancel()
-        if not work_task.done():
-            work_task.cancel()
-    if work_task.cancelled():
-        return None
-    return work_task.result()
 
 
 async def _wait_for_disconnect(receive: Receive) -> None:
