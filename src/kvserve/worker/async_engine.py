@@ -5,6 +5,8 @@ check and disconnect. So one thread owns the engine and is the only one to touch
 requests, aborts and queries reach it as commands on a thread-safe queue, run between
 steps; outputs go back to per-request asyncio queues with one ``call_soon_threadsafe``
 per step. When nothing is running the thread blocks on the command queue (no polling).
+Commands issued in one event-loop iteration travel as one batch, so that a burst of
+requests wakes the thread once and lands in one step.
 
 After every iteration the thread publishes an immutable :class:`EngineState` that the
 loop reads without waiting (``/load``, ``/metrics`` stay cheap while a step runs).
@@ -63,7 +65,8 @@ class AsyncEngine:
     def __init__(self, engine: Any, state_probe: Callable[[Any], EngineState]) -> None:
         self.engine = engine
         self._probe = state_probe
-        self._commands: queue.SimpleQueue[Callable[[], None] | object] = queue.SimpleQueue()
+        self._commands: queue.SimpleQueue[list[Callable[[], None]] | object] = queue.SimpleQueue()
+        self._batch: list[Callable[[], None]] = []  # event-loop side: not yet handed over
         self._streams: dict[str, RequestStream] = {}  # event-loop side only
         self._active: set[str] = set()  # engine-thread side only
         self._thread = threading.Thread(target=self._run, name="kvserve-engine", daemon=True)
@@ -85,6 +88,7 @@ class AsyncEngine:
         """Aborts whatever is still running, then stops and joins the engine thread."""
         if not self._thread.is_alive():
             return
+        self._flush()
         self._commands.put(_STOP)
         await asyncio.get_running_loop().run_in_executor(None, self._thread.join)
         for stream in self._streams.values():
@@ -104,13 +108,13 @@ class AsyncEngine:
             else:
                 loop.call_soon_threadsafe(_settle, future, result, None)
 
-        self._commands.put(run)
+        self._submit(run)
         return await future
 
     def post(self, fn: Callable[[Any], None]) -> None:
         """Runs ``fn(engine)`` on the engine thread between steps, without waiting: for
         cleanups that must happen even when the caller is being cancelled."""
-        self._commands.put(lambda: fn(self.engine))
+        self._submit(lambda: fn(self.engine))
 
     async def generate(self, request_id: str, prompt: Any, params: Any) -> RequestStream:
         """Adds a request; raises what ``add_request`` raises (e.g. InvalidRequestError)."""
@@ -129,7 +133,7 @@ class AsyncEngine:
     def abort(self, request_id: str) -> None:
         """Drops the request now; its blocks are freed before the engine's next step."""
         self._streams.pop(request_id, None)
-        self._commands.put(lambda: self._abort(request_id))
+        self._submit(lambda: self._abort(request_id))
 
     async def wait_for_events(self, after_seq: int, timeout: float) -> None:
         """Returns once an event past ``after_seq`` exists, or after ``timeout`` seconds."""
@@ -142,6 +146,19 @@ class AsyncEngine:
                 await asyncio.wait_for(self._events_signal.wait(), remaining)
             except TimeoutError:
                 return
+
+    def _submit(self, command: Callable[[], None]) -> None:
+        """Queues ``command``; the batch goes to the engine thread once the loop has run
+        what is ready now. Handing each command over at once would wake the thread for
+        the first of a burst, which it would then step alone while the rest wait."""
+        if not self._batch:
+            self._require_loop().call_soon(self._flush)
+        self._batch.append(command)
+
+    def _flush(self) -> None:
+        if self._batch:
+            self._commands.put(self._batch)
+            self._batch = []
 
     def _require_loop(self) -> asyncio.AbstractEventLoop:
         if self._loop is None:
@@ -193,18 +210,19 @@ class AsyncEngine:
     def _run_commands(self, *, block: bool) -> bool:
         """Runs queued commands (waiting for one if ``block``); False once told to stop."""
         try:
-            command = self._commands.get(block=block)
+            batch = self._commands.get(block=block)
         except queue.Empty:
             return True
         while True:
-            if command is _STOP:
+            if batch is _STOP:
                 return False
+            for command in batch:  # type: ignore[attr-defined]
+                try:
+                    command()
+                except Exception:
+                    logger.exception("engine command failed")
             try:
-                command()  # type: ignore[operator]
-            except Exception:
-                logger.exception("engine command failed")
-            try:
-                command = self._commands.get_nowait()
+                batch = self._commands.get_nowait()
             except queue.Empty:
                 return True
 
