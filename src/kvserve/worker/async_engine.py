@@ -4,7 +4,7 @@ A model step can take long; run on the event loop it would stall every connectio
 check and disconnect. So one thread owns the engine and is the only one to touch it:
 requests, aborts and queries reach it as commands on a thread-safe queue, run between
 steps; outputs go back to per-request asyncio queues with one ``call_soon_threadsafe``
-per step. When nothing is running the thread blocks on the command queue (no polling).
+per step. When nothing is running the thread blocks on its inbox (no polling).
 Commands issued in one event-loop iteration travel as one batch, so that a burst of
 requests wakes the thread once and lands in one step.
 
@@ -15,8 +15,9 @@ loop reads without waiting (``/load``, ``/metrics`` stay cheap while a step runs
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
-import queue
+import os
 import threading
 from collections.abc import AsyncIterator, Callable
 from typing import Any, TypeVar
@@ -59,13 +60,50 @@ class RequestStream:
 _STOP = object()
 
 
+class _Inbox:
+    """Hands items from the event loop to the engine thread, waking it only while it sleeps.
+
+    The wake-up is a byte on a pipe: ``os.write`` drops the GIL for the system call. A
+    lock-based wake-up (``queue.SimpleQueue``, ``Condition``) keeps the GIL in it, and on a
+    busy machine the woken thread then runs at once only to wait for that GIL, stalling
+    the event loop that holds it.
+    """
+
+    def __init__(self) -> None:
+        self._items: collections.deque[Any] = collections.deque()
+        self._sleeping = False
+        self._read_fd, self._write_fd = os.pipe()
+
+    def put(self, item: Any) -> None:
+        self._items.append(item)
+        if self._sleeping:
+            self._sleeping = False
+            os.write(self._write_fd, b"\0")
+
+    def get(self, *, block: bool) -> Any:
+        """The oldest item; None if there is none and ``block`` is false."""
+        while not self._items:
+            if not block:
+                return None
+            self._sleeping = True
+            if self._items:  # put before it saw the flag: it may not write
+                self._sleeping = False
+                break
+            os.read(self._read_fd, 64)  # a stale byte only makes this loop once more
+        return self._items.popleft()
+
+    def close(self) -> None:
+        os.close(self._read_fd)
+        os.close(self._write_fd)
+
+
 class AsyncEngine:
     """Runs an engine on a dedicated thread and exposes it to asyncio code."""
 
     def __init__(self, engine: Any, state_probe: Callable[[Any], EngineState]) -> None:
         self.engine = engine
         self._probe = state_probe
-        self._commands: queue.SimpleQueue[list[Callable[[], None]] | object] = queue.SimpleQueue()
+        self._inbox: _Inbox | None = None  # command batches, or _STOP; exists while started
         self._batch: list[Callable[[], None]] = []  # event-loop side: not yet handed over
         self._streams: dict[str, RequestStream] = {}  # event-loop side only
         self._active: set[str] = set()  # engine-thread side only
@@ -79,6 +117,7 @@ class AsyncEngine:
     def start(self) -> None:
         self._loop = asyncio.get_running_loop()
         self._events_signal = asyncio.Event()
+        self._inbox = _Inbox()
         self._thread.start()
 
     def is_running(self) -> bool:
@@ -86,11 +125,15 @@ class AsyncEngine:
 
     async def shutdown(self) -> None:
         """Aborts whatever is still running, then stops and joins the engine thread."""
-        if not self._thread.is_alive():
+        inbox = self._inbox
+        if inbox is None:
             return
-        self._flush()
-        self._commands.put(_STOP)
-        await asyncio.get_running_loop().run_in_executor(None, self._thread.join)
+        if self._thread.is_alive():
+            self._flush()
+            inbox.put(_STOP)
+            await asyncio.get_running_loop().run_in_executor(None, self._thread.join)
+        self._inbox = None
+        inbox.close()
         for stream in self._streams.values():
             stream.put(RequestAborted("worker shut down"))
         self._streams.clear()
@@ -156,8 +199,8 @@ class AsyncEngine:
         self._batch.append(command)
 
     def _flush(self) -> None:
-        if self._batch:
-            self._commands.put(self._batch)
+        if self._batch and self._inbox is not None:
+            self._inbox.put(self._batch)
             self._batch = []
 
     def _require_loop(self) -> asyncio.AbstractEventLoop:
@@ -209,22 +252,19 @@ class AsyncEngine:
 
     def _run_commands(self, *, block: bool) -> bool:
         """Runs queued commands (waiting for one if ``block``); False once told to stop."""
-        try:
-            batch = self._commands.get(block=block)
-        except queue.Empty:
-            return True
-        while True:
+        inbox = self._inbox
+        assert inbox is not None, "closed only after this thread has ended"
+        batch = inbox.get(block=block)
+        while batch is not None:
             if batch is _STOP:
                 return False
-            for command in batch:  # type: ignore[attr-defined]
+            for command in batch:
                 try:
                     command()
                 except Exception:
                     logger.exception("engine command failed")
-            try:
-                batch = self._commands.get_nowait()
-            except queue.Empty:
-                return True
+            batch = inbox.get(block=False)
+        return True
 
     def _step(self, loop: asyncio.AbstractEventLoop) -> list[Any]:
         try:
