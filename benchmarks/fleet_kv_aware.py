@@ -19,7 +19,7 @@ The setup is chosen so that the policies, not the box, decide the figures:
 - one engine step takes up to ``--max-num-batched-tokens`` tokens, as the simulator's.
 
 Run: ``python benchmarks/fleet_kv_aware.py [--workers 8] [--requests 400]
-[--time-scale 0.1] [--rounds 2] [--out runs/fleet-kv-aware]``
+[--time-scale 0.25] [--rounds 2] [--out runs/fleet-kv-aware]``
 """
 
 from __future__ import annotations
@@ -178,13 +178,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workers", type=int, default=8)
     parser.add_argument("--requests", type=int, default=400)
-    parser.add_argument("--time-scale", type=float, default=0.1)
-    parser.add_argument("--block-tokens", type=int, default=32)
+    parser.add_argument("--time-scale", type=float, default=0.25)
+    parser.add_argument("--block-tokens", type=int, default=64)
     parser.add_argument("--max-tokens", type=int, default=16)
     parser.add_argument("--mode", choices=("text", "tokens"), default="text")
-    parser.add_argument("--num-blocks", type=int, default=16384, help="per worker, 16 tokens each")
+    parser.add_argument("--num-blocks", type=int, default=32768, help="per worker, 16 tokens each")
     parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
-    parser.add_argument("--context", type=int, default=32768)
+    parser.add_argument("--context", type=int, default=65536)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--out", type=Path, default=Path("runs/fleet-kv-aware"))
     parser.add_argument("--policies", default=",".join(POLICIES), help="comma-separated")
