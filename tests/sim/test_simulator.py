@@ -123,33 +123,21 @@ def test_a_prompt_longer_than_the_cache_is_rejected_not_stuck() -> None:
     assert (summary.requests, summary.rejected) == (2, 1)
 
 
+def run_simulate(*args: str) -> subprocess.CompletedProcess[str]:
+    """``kvserve simulate`` on the fixture trace, as a user runs it."""
+    command = [sys.executable, "-c", "from kvserve.cli import main; main()", "simulate"]
+    return subprocess.run(
+        [*command, "--trace", str(FIXTURE), *args], capture_output=True, text=True, timeout=60
+    )
+
+
 def test_cli_writes_table_json_and_plots(tmp_path: Path) -> None:
     out = tmp_path / "sim"
-    completed = subprocess.run(
-        [
-            sys.executable,
-            "-c",
-            "from kvserve.cli import main; main()",
-            "simulate",
-            "--trace",
-            str(FIXTURE),
-            "--workers",
-            "2",
-            "--cache-tokens",
-            "100000",
-            "--policy",
-            "round_robin,kv_aware,global",
-            "--profile",
-            "tiny",
-            "--json",
-            "--out",
-            str(out),
-        ],
-        capture_output=True,
-        text=True,
-        check=True,
-        timeout=60,
-    )
+    completed = run_simulate(
+        "--workers", "2", "--cache-tokens", "100000", "--policy", "round_robin,kv_aware,global",
+        "--profile", "tiny", "--json", "--out", str(out),
+    )  # fmt: skip
+    assert completed.returncode == 0, completed.stderr
     rows = json.loads(completed.stdout)
     assert [r["policy"] for r in rows] == ["round_robin", "kv_aware", "global"]
     assert all(r["requests"] == 6 and 0 <= r["hit_rate"] <= 1 for r in rows)
@@ -162,19 +150,5 @@ def test_cli_writes_table_json_and_plots(tmp_path: Path) -> None:
 
 
 def test_cli_refuses_an_unknown_policy() -> None:
-    completed = subprocess.run(
-        [
-            sys.executable,
-            "-c",
-            "from kvserve.cli import main; main()",
-            "simulate",
-            "--trace",
-            str(FIXTURE),
-            "--policy",
-            "psychic",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    completed = run_simulate("--policy", "psychic")
     assert completed.returncode != 0 and "unknown policy" in completed.stderr
