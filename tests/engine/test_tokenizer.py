@@ -163,3 +163,12 @@ def test_tokenizer_module_does_not_need_torch(tiny_model_dir):
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
     assert int(result.stdout) > 3
+
+
+@pytest.mark.parametrize("arch", ARCHES)
+@pytest.mark.parametrize("add_special_tokens", [True, False])
+async def test_async_encode_equals_encode(arch, add_special_tokens, tiny_model_dirs):
+    tokenizer = Tokenizer(tiny_model_dirs[arch])
+    for text in (*TEXTS, "\n".join(training_corpus())[:20_000]):
+        expected = tokenizer.encode(text, add_special_tokens=add_special_tokens)
+        assert await tokenizer.encode_async(text, add_special_tokens=add_special_tokens) == expected

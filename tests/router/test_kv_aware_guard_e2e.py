@@ -1,7 +1,7 @@
 """kv_aware's load guard holds only the prefill work the policy predicts: the prompt less
 what the worker is predicted to hold, as the router's load gauge shows until the first
 token. One cost-model worker with a small step budget, so a prefill lasts long enough to
-be seen."""
+be seen. A client that leaves while its prompt is being tokenized leaves nothing held."""
 
 from __future__ import annotations
 
@@ -17,6 +17,8 @@ from tests.support.metrics_text import by_label, samples
 from tests.support.processes import start_router
 
 PREFILL_GAUGE = "kvserve_router_in_flight_prefill_tokens"
+REQUESTS_GAUGE = "kvserve_router_in_flight_requests"
+DECISIONS = "kvserve_router_decisions_total"
 SHARED = "Shared context about harbours, tides and ships. " * 20
 CHARS_PER_TOKEN = 4  # the router's default estimate
 
@@ -78,3 +80,24 @@ def test_guard_holds_the_predicted_uncached_tokens_until_the_first_token(
     assert 0.3 < matched < 0.9
     assert abs(held - estimate * (1 - matched)) <= 1
     assert held_prefill_tokens(router) == 0  # released with the answer
+
+
+def total(router: ServerProcess, name: str, label: str = "worker") -> float:
+    return sum(by_label(samples(router.url + "/metrics"), name, label).values())
+
+
+def test_a_client_leaving_during_tokenization_leaves_nothing_held(router: ServerProcess) -> None:
+    model = httpx.get(router.url + "/v1/models", timeout=10).json()["data"][0]["id"]
+    deadline = time.monotonic() + 10
+    while "no_tokenizer" in complete(router, model, "hello").headers["x-kvserve-decision"]:
+        assert time.monotonic() < deadline, "the router never learned the block size"
+        time.sleep(0.1)
+    decisions = total(router, DECISIONS, "reason")
+    long_body = {"model": model, "prompt": "Shared context about tides. " * 40_000, "max_tokens": 1}
+    with pytest.raises(httpx.TimeoutException):  # gone while the router tokenizes (~1 s)
+        httpx.post(router.url + "/v1/completions", json=long_body, timeout=0.2)
+    time.sleep(2)  # past when its tokenizing would have ended, had the handler gone on
+    complete(router, model, "after")
+    assert total(router, DECISIONS, "reason") == decisions + 1  # the abandoned one: never routed
+    assert total(router, REQUESTS_GAUGE) == 0
+    assert total(router, PREFILL_GAUGE) == 0

@@ -83,6 +83,13 @@ class Tokenizer:
         expects around raw text (BOS for Llama); a rendered chat prompt already has it."""
         return self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
 
+    async def encode_async(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+        """``encode`` run by the tokenizers library on its own threads, outside the GIL:
+        the router's event loop keeps serving while a long prompt is tokenized (a Python
+        worker thread calling ``encode`` still stalls it)."""
+        encoding = await self._tokenizer.async_encode(text, add_special_tokens=add_special_tokens)
+        return encoding.ids
+
     def decode(self, token_ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
         return self._tokenizer.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
 

@@ -87,6 +87,11 @@ class PDProxy(Proxy):
 
     # -- selection -------------------------------------------------------------------
 
+    async def _prepare(self, query: RouteQuery) -> RouteQuery:
+        """Pairs are chosen from the PD proxy's own text index, never by the policy, so
+        the policy's preparation (kv_aware's tokenizing) would be wasted work."""
+        return query
+
     def _select(self, query: RouteQuery, tried: set[str]) -> tuple[Worker, RoutingDecision] | None:
         now = self._clock()
         decodes = self._registry.accepting(now, "decode", exclude=tried)

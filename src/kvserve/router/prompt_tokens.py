@@ -37,8 +37,21 @@ def _message_text(content: Any) -> str:
     return ""
 
 
+@dataclass(frozen=True, slots=True)
+class _PromptText:
+    """A prompt still to encode: rendered chat text carries its own special tokens, a
+    completion prompt gets the tokenizer's (BOS) added."""
+
+    text: str
+    add_special_tokens: bool
+
+
 class PromptHasher:
-    """One model's tokenizer, turning request bodies into reusable block hashes."""
+    """One model's tokenizer, turning request bodies into reusable block hashes.
+
+    Rendering a chat template is cheap and stays synchronous; encoding a long prompt is
+    not, so the router awaits ``blocks_async`` and ``blocks`` serves offline callers.
+    """
 
     def __init__(self, tokenizer_dir: str | Path) -> None:
         self.tokenizer = Tokenizer(tokenizer_dir)
@@ -51,8 +64,8 @@ class PromptHasher:
         except (ModelLoadError, OSError):
             return None
 
-    def prompt_tokens(self, body: Mapping[str, Any]) -> list[int] | None:
-        """The worker's prompt tokens, or None for a body the worker would refuse."""
+    def _prompt(self, body: Mapping[str, Any]) -> _PromptText | list[int] | None:
+        """The text to encode or the token ids given, None for a body the worker refuses."""
         messages = body.get("messages")
         try:
             if isinstance(messages, list):
@@ -61,21 +74,46 @@ class PromptHasher:
                     for m in messages
                     if isinstance(m, dict)
                 ]
-                return self.tokenizer.encode_chat(chat)
-            prompt = body.get("prompt")
-            if isinstance(prompt, str):
-                return self.tokenizer.encode(prompt)
+                return _PromptText(self.tokenizer.apply_chat_template(chat), False)
         except (ChatTemplateError, jinja2.TemplateError):
             return None
+        prompt = body.get("prompt")
+        if isinstance(prompt, str):
+            return _PromptText(prompt, True)
         if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
             return prompt
         return None
 
+    def prompt_tokens(self, body: Mapping[str, Any]) -> list[int] | None:
+        """The worker's prompt tokens, or None for a body the worker would refuse."""
+        prompt = self._prompt(body)
+        if isinstance(prompt, _PromptText):
+            return self.tokenizer.encode(prompt.text, add_special_tokens=prompt.add_special_tokens)
+        return prompt
+
+    async def prompt_tokens_async(self, body: Mapping[str, Any]) -> list[int] | None:
+        """``prompt_tokens`` without holding the event loop while the prompt is encoded."""
+        prompt = self._prompt(body)
+        if isinstance(prompt, _PromptText):
+            return await self.tokenizer.encode_async(
+                prompt.text, add_special_tokens=prompt.add_special_tokens
+            )
+        return prompt
+
     def blocks(self, body: Mapping[str, Any], block_size: int) -> PromptBlocks | None:
-        tokens = self.prompt_tokens(body)
-        if not tokens:
-            return None
-        model = body.get("model")
-        namespace = make_namespace(model if isinstance(model, str) else "")
-        reusable = tokens[: (len(tokens) - 1) // block_size * block_size]
-        return PromptBlocks(len(tokens), block_hashes(reusable, block_size, namespace))
+        return _prompt_blocks(body, self.prompt_tokens(body), block_size)
+
+    async def blocks_async(self, body: Mapping[str, Any], block_size: int) -> PromptBlocks | None:
+        return _prompt_blocks(body, await self.prompt_tokens_async(body), block_size)
+
+
+def _prompt_blocks(
+    body: Mapping[str, Any], tokens: list[int] | None, block_size: int
+) -> PromptBlocks | None:
+    """The reusable block hashes of a body's prompt tokens, in its model's namespace."""
+    if not tokens:
+        return None
+    model = body.get("model")
+    namespace = make_namespace(model if isinstance(model, str) else "")
+    reusable = tokens[: (len(tokens) - 1) // block_size * block_size]
+    return PromptBlocks(len(tokens), block_hashes(reusable, block_size, namespace))

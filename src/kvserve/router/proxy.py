@@ -1,4 +1,4 @@
-"""Forwarding one OpenAI request: select, guard, send, relay, retry, account.
+"""Forwarding one OpenAI request: prepare, select, guard, send, relay, retry, account.
 
 Retries happen only before a byte has reached the client (a retryable status or an
 unreachable worker), on a worker not tried yet when there is one. Streams are relayed as
@@ -89,11 +89,13 @@ class Proxy:
             return self._reject(400, "request body is not valid JSON", "invalid_json")
         if not isinstance(body, dict):
             return self._reject(400, "request body must be a JSON object", "invalid_json")
-        query = build_route_query(
-            body,
-            request.headers,
-            session_header=self._config.session_header,
-            chars_per_token=self._config.chars_per_token,
+        query = await self._prepare(
+            build_route_query(
+                body,
+                request.headers,
+                session_header=self._config.session_header,
+                chars_per_token=self._config.chars_per_token,
+            )
         )
         delays = backoff_delays(self._config.retry, self._rng)
         tried: set[str] = set()
@@ -111,6 +113,10 @@ class Proxy:
                 return outcome.response
             self._metrics.retries.labels(worker.worker_id).inc()
             await asyncio.sleep(delay)
+
+    async def _prepare(self, query: RouteQuery) -> RouteQuery:
+        """Once per request, before any guard: a client gone meanwhile leaves none held."""
+        return await self._policy.prepare(query)
 
     def _select(self, query: RouteQuery, tried: set[str]) -> tuple[Worker, RoutingDecision] | None:
         now = self._clock()

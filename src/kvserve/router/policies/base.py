@@ -23,5 +23,11 @@ class Policy(ABC):
         self, query: RouteQuery, workers: Sequence[WorkerLoad], now: float
     ) -> RoutingDecision: ...
 
+    async def prepare(self, query: RouteQuery) -> RouteQuery:
+        """The query ``select`` will see, after any slow work that must not block the
+        router's event loop (kv_aware tokenizes here). Awaited once per request, before
+        any load guard is taken, so a client leaving meanwhile leaves nothing held."""
+        return query
+
     def forget_worker(self, worker_id: str) -> None:  # noqa: B027 - most policies keep no state
         """Drop what the policy learned about a worker that left the fleet."""

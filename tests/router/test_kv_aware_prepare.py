@@ -1,0 +1,82 @@
+"""kv_aware tokenizes in ``prepare``, off the router's event loop: the loop keeps running
+while long prompts are encoded, and the prepared hashes are the synchronous ones."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+
+from kvserve.core.routing.kv_aware import KvAwareConfig
+from kvserve.core.routing.types import RouteQuery, WorkerLoad
+from kvserve.router.kv_event_subscriber import WorkerKVInfo
+from kvserve.router.policies.kv_aware import HashedQuery, KvAwarePolicy
+from kvserve.router.prompt_tokens import PromptHasher
+
+BLOCK = 16
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from kvserve.engine.tiny_model import make_tiny_model
+
+    return make_tiny_model(tmp_path_factory.mktemp("kv-prepare-model"), "llama")
+
+
+def policy_for(model_dir: Path) -> KvAwarePolicy:
+    policy = KvAwarePolicy(KvAwareConfig())
+    policy.learn_worker("w0", WorkerKVInfo(block_size=BLOCK, models=(str(model_dir),)))
+    return policy
+
+
+def query(body: dict) -> RouteQuery:
+    return RouteQuery(text="", model=body["model"], prefill_tokens=1, body=body)
+
+
+async def test_prepared_hashes_are_the_synchronous_ones(model_dir: Path) -> None:
+    policy, hasher = policy_for(model_dir), PromptHasher(model_dir)
+    chat = {"role": "user", "content": "Rivers and bridges in winter. " * 20}
+    bodies = [
+        {"model": str(model_dir), "messages": [chat]},
+        {"model": str(model_dir), "prompt": "Harbours, tides and ships. " * 20},
+        {"model": str(model_dir), "prompt": list(range(3, 70))},
+    ]
+    for body in bodies:
+        prepared = await policy.prepare(query(body))
+        assert isinstance(prepared, HashedQuery) and prepared.blocks is not None
+        assert prepared.blocks == hasher.blocks(body, BLOCK)
+        assert prepared.body is body and prepared.model == str(model_dir)
+        decision = policy.select(prepared, [WorkerLoad("w0")], now=0.0)
+        assert decision.reason != "no_tokenizer"
+
+
+async def test_a_body_the_worker_refuses_routes_by_load(model_dir: Path) -> None:
+    policy = policy_for(model_dir)
+    prepared = await policy.prepare(query({"model": str(model_dir), "prompt": [1, "x"]}))
+    decision = policy.select(prepared, [WorkerLoad("w0")], now=0.0)
+    assert decision.reason == "no_tokenizer"
+
+
+async def test_the_loop_keeps_running_while_long_prompts_are_tokenized(model_dir: Path) -> None:
+    """A synchronous encode would finish every long prompt before the ticker's first
+    step; the async one lets the loop serve other work (here, ticks and a short prompt's
+    preparation) while the long prompts are still being encoded."""
+    policy = policy_for(model_dir)
+    long_body = {"model": str(model_dir), "prompt": "Shared context about tides. " * 60_000}
+    short_body = {"model": str(model_dir), "prompt": "A short question."}
+    events: list[str] = []
+
+    async def prepare_long() -> None:
+        await policy.prepare(query(long_body))
+        events.append("long")
+
+    async def serve_meanwhile() -> None:
+        await asyncio.sleep(0)
+        events.append("tick")
+        prepared = await policy.prepare(query(short_body))
+        assert isinstance(prepared, HashedQuery) and prepared.blocks is not None
+        events.append("short")
+
+    await asyncio.gather(*(prepare_long() for _ in range(3)), serve_meanwhile())
+    assert events.index("tick") < events.index("long"), events
