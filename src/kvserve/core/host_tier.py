@@ -61,6 +61,11 @@ class HostTierIndex:
     def __contains__(self, block_hash: int) -> bool:
         return block_hash in self._entries
 
+    def snapshot(self) -> list[tuple[int, int | None]]:
+        """``[(hash, parent_hash), ...]``, parents first: a block enters only under a held
+        parent and leaves before it, so insertion order already puts every parent first."""
+        return [(block_hash, entry.parent) for block_hash, entry in self._entries.items()]
+
     def prefix_len(self, hashes: Sequence[int], start: int = 0) -> int:
         """How many of ``hashes[start:]`` are held, counted from ``start`` until a miss."""
         entries = self._entries

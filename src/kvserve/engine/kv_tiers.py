@@ -30,6 +30,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from itertools import islice
 from typing import Literal
 
 import torch
@@ -139,6 +140,10 @@ class KVTiers:
         self._resuming: dict[str, int] = {}  # preempted request -> tokens it had computed
         self._hits: OrderedDict[int, int] = OrderedDict()
         self._stored: set[int] = set()  # written (or queued) to storage by this worker
+        # What this worker's storage events say the store holds (hash -> parent hash),
+        # oldest first: the snapshot's storage tier, so that snapshot + later events
+        # equals a replay of the whole event log.
+        self._announced: dict[int, int | None] = {}
         self._faults_seen = 0
         scheduler.admission_gate = self.admission_gate
         scheduler.on_preempt = self.save_preempted
@@ -358,9 +363,28 @@ class KVTiers:
                 self._stored.difference_update(write.hashes)  # may be tried again
                 continue
             self._events.append("stored", "storage", write.hashes, write.parent_hash)
+            self._remember_announced(write.hashes, write.parent_hash)
             if write.evicted:
                 self._stored.difference_update(write.evicted)
-                self._events.append("removed", "storage", write.evicted)
+                self._forget_announced(write.evicted)
+
+    def _remember_announced(self, hashes: Sequence[int], parent_hash: int | None) -> None:
+        announced = self._announced
+        for block_hash in hashes:
+            announced.pop(block_hash, None)  # rewritten: now the newest
+            announced[block_hash] = parent_hash
+            parent_hash = block_hash
+        overflow = len(announced) - _MAX_STORED_HASHES
+        if overflow > 0:
+            # Bounded memory: the router is told this worker no longer vouches for the
+            # oldest ones (they may still be loadable; under-reporting is only a missed hit).
+            oldest = list(islice(announced, overflow))
+            self._forget_announced(oldest)
+
+    def _forget_announced(self, hashes: Sequence[int]) -> None:
+        for block_hash in hashes:
+            self._announced.pop(block_hash, None)
+        self._events.append("removed", "storage", hashes)
 
     def _count_hits(self, request: Request, num_found: int) -> None:
         """hit_count:K: blocks found by their K-th admission are written to storage."""
@@ -392,6 +416,19 @@ class KVTiers:
         for kind, count in self.faults.snapshot().items():
             values[f"{FAULT_PREFIX}{kind}"] = count
         return values
+
+    def snapshot(self) -> dict[str, list[tuple[int, int | None]]]:
+        """The blocks of the tiers below the device, ``tier -> [(hash, parent_hash)]``,
+        consistent with the event log's ``last_seq`` when taken on the engine thread
+        (every tier event is emitted there). Storage is what this worker's events
+        announced: a shared store cannot be listed per worker, and the router's index
+        holds exactly that from the events anyway."""
+        tiers: dict[str, list[tuple[int, int | None]]] = {}
+        if self.host is not None:
+            tiers["host"] = self.host.index.snapshot()
+        if self._writer is not None:
+            tiers["storage"] = list(self._announced.items())
+        return tiers
 
     def check(self) -> None:
         """The device ledger's invariants (blocks loaded for a request included) and the

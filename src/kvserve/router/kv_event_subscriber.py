@@ -1,13 +1,13 @@
 """Follows every worker's KV event stream into the kv_aware policy's block index.
 
-One task per worker: take ``/kv/snapshot`` (replace that worker's view), then long-poll
-``/kv/events?after=SEQ`` and apply each event in order. A ``410`` (the worker's bounded
-history passed us by, or it restarted) or a sequence gap means resync from a snapshot:
-the index never silently skips an event. Polls are spaced ``batch_s`` apart while events
-flow, so following a busy fleet costs a few requests per second per worker. An
-unreachable worker is retried with backoff and, being possibly restarted, resynced. The
-fleet is reconciled with the registry every ``reconcile_s``: new workers are followed,
-removed ones forgotten (index and task).
+One task per worker: take ``/kv/snapshot`` (replace that worker's view of every tier),
+then long-poll ``/kv/events?after=SEQ`` and apply each event in order. A ``410`` (the
+worker's bounded history passed us by, or it restarted) or a sequence gap means resync
+from a snapshot: the index never silently skips an event. Polls are spaced ``batch_s``
+apart while events flow, so following a busy fleet costs a few requests per second per
+worker. An unreachable worker is retried with backoff and, being possibly restarted,
+resynced. The fleet is reconciled with the registry every ``reconcile_s``: new workers
+are followed, removed ones forgotten (index and task).
 Wire format: docs/internals.md, "Worker KV events API".
 """
 
@@ -23,7 +23,7 @@ from typing import Any
 import aiohttp
 
 from kvserve.core.kv_events import KVEvent
-from kvserve.core.routing.kv_index import KVBlockIndex
+from kvserve.core.routing.kv_index import TIERS, KVBlockIndex
 from kvserve.router.worker_registry import Worker, WorkerRegistry
 
 log = logging.getLogger(__name__)
@@ -35,6 +35,14 @@ class WorkerKVInfo:
 
     models: tuple[str, ...]
     block_size: int
+
+
+def _tiers_of(snapshot: dict[str, Any]) -> dict[str, list[list[int]]]:
+    """Every tier's blocks in a snapshot. The snapshot is the worker's whole state, so a
+    tier it does not list (a worker without a host tier, or one from before ``tiers``
+    existed) holds nothing: replacing it by nothing drops what an earlier process held."""
+    listed = {snapshot["tier"]: snapshot["blocks"], **snapshot.get("tiers", {})}
+    return {tier: listed.get(tier, []) for tier in TIERS}
 
 
 class _Resync(Exception):
@@ -126,7 +134,8 @@ class KVEventSubscriber:
                 tuple(str(m["id"]) for m in models["data"]), int(snapshot["block_size"])
             )
             self._on_worker_info(worker.worker_id, info)
-        self._index.replace(worker.worker_id, snapshot["tier"], [b[0] for b in snapshot["blocks"]])
+        for tier, blocks in _tiers_of(snapshot).items():
+            self._index.replace(worker.worker_id, tier, [block[0] for block in blocks])
         self.last_seq[worker.worker_id] = int(snapshot["last_seq"])
 
     async def _poll(self, worker: Worker) -> None:

@@ -10,7 +10,8 @@ docs/internals.md, "Worker KV events API".
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
 from fastapi import APIRouter, Query
 from starlette.responses import Response
@@ -20,7 +21,11 @@ from kvserve.worker.async_engine import AsyncEngine
 from kvserve.worker.errors import APIError
 from kvserve.worker.json_response import JSONResponse
 
+if TYPE_CHECKING:
+    from kvserve.engine.llm_engine import LLMEngine
+
 _MAX_WAIT_S = 60.0
+BlockList = Sequence[tuple[int, int | None]]  # (hash, parent_hash), parents first
 
 
 def event_body(event: KVEvent) -> dict[str, Any]:
@@ -31,6 +36,19 @@ def event_body(event: KVEvent) -> dict[str, Any]:
         "block_hashes": list(event.block_hashes),
         "parent_hash": event.parent_hash,
     }
+
+
+def _take_snapshot(
+    engine: LLMEngine,
+) -> tuple[int, BlockList, dict[str, BlockList]]:
+    """Every tier at one ``last_seq``: run on the engine thread, where every tier's
+    events are emitted, so no event falls between the device and the other tiers."""
+    last_seq, device = engine.kv_cache.snapshot()
+    return last_seq, device, engine.tiers.snapshot() if engine.tiers is not None else {}
+
+
+def _pairs(blocks: BlockList) -> list[list[int | None]]:
+    return [[block_hash, parent] for block_hash, parent in blocks]
 
 
 def build_events_router(engine: AsyncEngine, block_size: int) -> APIRouter:
@@ -54,13 +72,14 @@ def build_events_router(engine: AsyncEngine, block_size: int) -> APIRouter:
 
     @router.get("/snapshot")
     async def kv_snapshot() -> Response:
-        last_seq, blocks = await engine.call(lambda e: e.kv_cache.snapshot())
+        last_seq, device, below = await engine.call(_take_snapshot)
         return JSONResponse(
             {
                 "last_seq": last_seq,
                 "tier": "device",
                 "block_size": block_size,
-                "blocks": [[block_hash, parent] for block_hash, parent in blocks],
+                "blocks": _pairs(device),
+                "tiers": {tier: _pairs(blocks) for tier, blocks in below.items()},
             }
         )
 
