@@ -16,7 +16,6 @@ app = typer.Typer(
 )
 
 
-
 @app.callback()
 def _root() -> None:
     """Keeps typer in multi-command mode even while few commands exist."""
