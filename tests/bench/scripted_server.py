@@ -70,8 +70,10 @@ class ScriptedServer(ForeignServer):
         self.in_flight += 1
         try:
             return await self._misbehave(request, behaviour)
-        except asyncio.CancelledError:
-            self.disconnects += 1  # the client went away: aiohttp cancels the handler
+        except (asyncio.CancelledError, ConnectionError):
+            # The client went away: aiohttp cancels the handler, or, if it was still
+            # writing its first chunks, the write fails.
+            self.disconnects += 1
             raise
         finally:
             self.in_flight -= 1
