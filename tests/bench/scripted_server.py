@@ -57,6 +57,12 @@ class ScriptedServer(ForeignServer):
             while self.disconnects < count:
                 await asyncio.sleep(0.01)
 
+    async def wait_until_no_stream_open(self, timeout_s: float = 10.0) -> None:
+        """Until every scripted stream has ended on the server side (the client closed it)."""
+        async with asyncio.timeout(timeout_s):
+            while self.in_flight:
+                await asyncio.sleep(0.01)
+
     async def generate(self, request: web.Request) -> web.StreamResponse:
         self.received.append(orjson.loads(await request.read()))
         self.auth_headers.append(request.headers.get("Authorization"))

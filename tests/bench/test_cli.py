@@ -76,12 +76,14 @@ async def test_ctrl_c_stops_and_still_reports(tmp_path) -> None:
             "bench", "--endpoint", server.url, "--model", "m", "--workload", "multi-turn:turns=2",
             "--concurrency", "3", "--out", str(tmp_path),
         )  # fmt: skip
-        while server.in_flight < 3:
+        # The fourth request is the first conversation's second turn: it is sent only once
+        # the "ok" first turn has been recorded, and then three streams hang.
+        while len(server.received) < 4 or server.in_flight < 3:
             await asyncio.sleep(0.02)
         process.send_signal(signal.SIGINT)
         _, stderr = await asyncio.wait_for(process.communicate(), 30)
         assert process.returncode == 0, stderr.decode()
-        await server.wait_for_disconnects(3)  # the cancelled streams were closed
+        await server.wait_until_no_stream_open()  # the cancelled streams were closed
     results = json.loads((tmp_path / "results.json").read_text())
     assert results["config"]["stopped_by"] == "interrupted"
     assert results["config"]["abandoned_in_flight"] == 3
