@@ -8,6 +8,7 @@ must report a misbehaving server, not die of it.
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import aiohttp
 import orjson
@@ -35,11 +36,11 @@ async def first_model(session: aiohttp.ClientSession, endpoint: str) -> str:
         models = (await resp.json())["data"]
     if not models:
         raise RuntimeError(f"{endpoint} serves no models")
-    return models[0]["id"]
+    return str(models[0]["id"])
 
 
 async def stream_request(
-    session: aiohttp.ClientSession, url: str, body: dict, record: RequestRecord
+    session: aiohttp.ClientSession, url: str, body: dict[str, Any], record: RequestRecord
 ) -> str:
     """POST ``body`` with streaming on, fill ``record``'s measurements, return the text.
 
@@ -98,7 +99,7 @@ async def stream_request(
     return "".join(pieces)
 
 
-def _chunk_text(event: dict) -> str:
+def _chunk_text(event: dict[str, Any]) -> str:
     choices = event.get("choices") or []
     if not choices:
         return ""
@@ -107,7 +108,7 @@ def _chunk_text(event: dict) -> str:
     return (delta.get("content") if delta is not None else choice.get("text")) or ""
 
 
-def _read_usage(event: dict, record: RequestRecord) -> None:
+def _read_usage(event: dict[str, Any], record: RequestRecord) -> None:
     usage = event.get("usage")
     if not usage:
         return

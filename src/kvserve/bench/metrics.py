@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import asdict, dataclass, field, fields
+from typing import Any
 
 import numpy as np
 
@@ -39,11 +40,11 @@ class RequestRecord:
     def end_s(self) -> float:
         return self.start_s + (self.e2e_s or 0.0)
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, raw: dict) -> RequestRecord:
+    def from_dict(cls, raw: dict[str, Any]) -> RequestRecord:
         names = {f.name for f in fields(cls)}
         return cls(**{k: v for k, v in raw.items() if k in names})
 
@@ -55,7 +56,9 @@ def percentiles(values: list[float], scale: float = 1.0) -> dict[str, float | No
         return dict.fromkeys(keys)
     arr = np.asarray(values, dtype=float) * scale
     values_at = np.percentile(arr, PERCENTILES)
-    out = {f"p{p}": float(v) for p, v in zip(PERCENTILES, values_at, strict=True)}
+    out: dict[str, float | None] = {
+        f"p{p}": float(v) for p, v in zip(PERCENTILES, values_at, strict=True)
+    }
     out["mean"] = float(arr.mean())
     return out
 
@@ -67,7 +70,7 @@ def hit_rate(records: list[RequestRecord]) -> float | None:
     return sum(r.cached_tokens for r in ok) / prompt if prompt else None
 
 
-def summarize(records: list[RequestRecord], duration_s: float) -> dict:
+def summarize(records: list[RequestRecord], duration_s: float) -> dict[str, Any]:
     """The run's summary: counts, rates, latency percentiles (ms), hit rate, workers."""
     ok = [r for r in records if r.ok]
     span = max(duration_s, 1e-9)

@@ -9,6 +9,7 @@ import signal
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 from rich.console import Console
@@ -88,7 +89,7 @@ async def _replay(
     return config, outcome
 
 
-def _describe(options: BenchOptions, config: LoadConfig, outcome: RunOutcome) -> dict:
+def _describe(options: BenchOptions, config: LoadConfig, outcome: RunOutcome) -> dict[str, Any]:
     started = datetime.fromtimestamp(outcome.started_at, UTC)
     return {
         "command": options.command,

@@ -10,7 +10,7 @@ import shlex
 import sys
 from datetime import datetime
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, cast
 
 import typer
 
@@ -32,12 +32,12 @@ _HELP = "\n\n".join(
 
 
 def _opt(help_text: str) -> typer.models.OptionInfo:
-    return typer.Option(help=help_text)
+    return cast(typer.models.OptionInfo, typer.Option(help=help_text))
 
 
 def _redact_api_key(args: list[str]) -> list[str]:
     """The command line as recorded in the report, without the secret."""
-    out = []
+    out: list[str] = []
     for arg in args:
         if out and out[-1] == "--api-key":
             arg = "***"

@@ -1,1 +1,2 @@
-"""sim layer (see DESIGN.md §1)."""
+"""The discrete-event simulator: the servers' own scheduler, cache and routing policies
+in virtual time, with a cost model in place of the GPU (docs/architecture.md)."""
