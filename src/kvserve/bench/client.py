@@ -16,6 +16,7 @@ import orjson
 from kvserve.bench.metrics import RequestRecord
 
 WORKER_HEADER = "x-kvserve-worker"
+DECISION_HEADER = "x-kvserve-decision"  # policy=NAME; reason=...; matched=...
 _JSON = {"Content-Type": "application/json"}
 
 
@@ -39,6 +40,17 @@ async def first_model(session: aiohttp.ClientSession, endpoint: str) -> str:
     return str(models[0]["id"])
 
 
+def decision_policy(decision: str | None) -> str | None:
+    """The policy a kvserve router names in its decision header; None from other servers."""
+    if not decision:
+        return None
+    for part in decision.split(";"):
+        key, _, value = part.strip().partition("=")
+        if key == "policy" and value:
+            return value
+    return None
+
+
 async def stream_request(
     session: aiohttp.ClientSession, url: str, body: dict[str, Any], record: RequestRecord
 ) -> str:
@@ -57,6 +69,7 @@ async def stream_request(
         async with session.post(url, data=orjson.dumps(body), headers=_JSON) as resp:
             record.status = resp.status
             record.worker = resp.headers.get(WORKER_HEADER)
+            record.policy = decision_policy(resp.headers.get(DECISION_HEADER))
             if resp.status != 200:
                 record.error = f"HTTP {resp.status}: {_error_message(await resp.read())}"
                 return ""

@@ -29,6 +29,7 @@ class RequestRecord:
     completion_tokens: int = 0
     cached_tokens: int = 0
     worker: str | None = None  # x-kvserve-worker, when the server says
+    policy: str | None = None  # the router policy named in x-kvserve-decision
     status: int | None = None  # HTTP status; None when no response came
     error: str | None = None
 
@@ -92,11 +93,23 @@ def summarize(records: list[RequestRecord], duration_s: float) -> dict[str, Any]
         "e2e_ms": percentiles([r.e2e_s for r in ok if r.e2e_s is not None], 1000.0),
         "requests_per_worker": requests_per_worker(ok),
         "error_kinds": dict(Counter(_error_kind(r.error) for r in records if r.error)),
+        "error_examples": error_examples(records),
+        "router_policies": dict(Counter(r.policy for r in records if r.policy)),
+        "workers_seen": sorted({r.worker for r in records if r.worker}),
     }
 
 
 def requests_per_worker(records: list[RequestRecord]) -> dict[str, int]:
     return dict(sorted(Counter(r.worker or "unknown" for r in records).items()))
+
+
+def error_examples(records: list[RequestRecord]) -> dict[str, str]:
+    """The first error message of each kind: what a reader needs to start looking."""
+    examples: dict[str, str] = {}
+    for record in records:
+        if record.error:
+            examples.setdefault(_error_kind(record.error), record.error)
+    return examples
 
 
 def _error_kind(error: str) -> str:

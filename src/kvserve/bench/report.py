@@ -100,6 +100,15 @@ def markdown_table(reports: list[RunReport]) -> str:
     return "\n".join(lines)
 
 
+def error_lines(report: RunReport) -> list[str]:
+    """One line per kind of error: how many, and the first message of that kind."""
+    examples = report.summary.get("error_examples", {})
+    return [
+        f"errors `{kind}`: {count}" + (f" (e.g. {examples[kind]})" if kind in examples else "")
+        for kind, count in report.summary["error_kinds"].items()
+    ]
+
+
 def write_markdown(
     reports: list[RunReport], plots: dict[str, Path], out_dir: Path, file: str
 ) -> Path:
@@ -108,8 +117,7 @@ def write_markdown(
     for report in reports:
         parts.append(f"## {report.label}")
         parts += [f"- {key}: `{value}`" for key, value in report.config.items()]
-        for kind, count in report.summary["error_kinds"].items():
-            parts.append(f"- errors `{kind}`: {count}")
+        parts += [f"- {line}" for line in error_lines(report)]
         parts.append("")
     parts += [f"![{name}]({path.name})" for name, path in plots.items()]
     path = out_dir / file

@@ -26,7 +26,8 @@ _HELP = "\n\n".join(
         "Writes DIR/results.json, DIR/report.md and PNG plots.",
         "--workload SPEC is NAME[:PATH][,KEY=VALUE...], e.g. "
         "mooncake-conv:block_tokens=16,max_tokens=32. Data paths default to "
-        "$KVSERVE_DATA_DIR (../shared/data). Sources and their keys:",
+        "$KVSERVE_DATA_DIR, else the shared/data folder beside the kvserve source checkout. "
+        "Sources and their keys:",
     ]
 )
 
