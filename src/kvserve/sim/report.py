@@ -121,8 +121,12 @@ def rich_table(summaries: Sequence[PolicySummary], title: str) -> Table:
         title=title, box=box.SIMPLE_HEAD, collapse_padding=True, pad_edge=False, show_edge=False
     )
     for index, header in enumerate(_TERMINAL_COLUMNS):
-        justify = "left" if index == 0 else "right"
-        table.add_column(header, justify=justify, no_wrap=True, min_width=max(len(header), 5))
+        table.add_column(
+            header,
+            justify="left" if index == 0 else "right",
+            no_wrap=True,
+            min_width=max(len(header), 5),
+        )
     for summary in summaries:
         cells = dict(zip(_COLUMNS, _cells(summary), strict=True))
         table.add_row(*(cells[column] for column in _TERMINAL_COLUMNS.values()))
