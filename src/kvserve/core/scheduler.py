@@ -63,7 +63,10 @@ class SchedulerOutput:
 
 @dataclass(slots=True)
 class PrefixCacheStats:
-    """Prompt tokens served from cache, counted once per request at first admission."""
+    """Prompt tokens served from the prefix cache: the only count of it (the worker
+    exports it as ``kvserve_prefix_cache_*``), taken once per request when it is first
+    admitted; a retried admission or a preempted request's return matches again but
+    does not count again."""
 
     num_requests: int = 0
     prompt_tokens: int = 0
@@ -226,13 +229,11 @@ class Scheduler:
         """Match the cached prefix and allocate the first chunk, or change nothing."""
         reserve = self.watermark_blocks if self.running else 0
         if self.kv_cache.num_available_blocks - 1 < reserve:
-            # Even a full match leaves one block to allocate: skip the lookup, which
-            # would count as a cache query in the cache's statistics.
+            # Even a full match leaves one block to allocate: skip pinning the prefix
+            # only to release it.
             return False
         request_id = request.request_id
-        matched = self.kv_cache.match_prefix(
-            request_id, request.reusable_block_hashes(), request.num_tokens
-        )
+        matched = self.kv_cache.match_prefix(request_id, request.reusable_block_hashes())
         num_cached = matched * self.block_size
         num_new = min(request.num_tokens - num_cached, plan.budget)
         new_blocks = -(-(num_cached + num_new) // self.block_size) - matched

@@ -210,7 +210,7 @@ class KVTiers:
         if cache.num_available_blocks < total:  # the prefix it pins may count as available
             return "no_room"
         holder = _holder(admission.request.request_id)
-        cache.match_prefix(holder, hashes[:in_device], total * self._block_size)
+        cache.match_prefix(holder, hashes[:in_device])
         if not cache.allocate_slots(holder, total * self._block_size):
             cache.free_request(holder)
             return "no_room"

@@ -25,11 +25,11 @@ from kvserve.engine.errors import InvalidRequestError
 from kvserve.engine.kv_block_io import KVBlockLayout
 from kvserve.engine.kv_tier_config import KVTierConfig
 from kvserve.engine.kv_tiers import KVTiers
-from kvserve.engine.model_config import ModelConfig
 from kvserve.engine.model_runner import ModelRunner, SequenceBatchItem
 from kvserve.engine.outputs import RequestOutput
 from kvserve.engine.sampler import Sampler, SamplingRow, seeded_generator
-from kvserve.engine.tokenizer import IncrementalDetokenizer, Tokenizer
+from kvserve.model_folder.config import ModelConfig
+from kvserve.model_folder.tokenizer import IncrementalDetokenizer, Tokenizer
 
 DEFAULT_KV_CACHE_MEMORY = 1 << 30
 

@@ -168,7 +168,7 @@ class PDEngine(LLMEngine):
         num_blocks = (len(token_ids) - 1) // block_size
         hashes = block_hashes(token_ids[: num_blocks * block_size], block_size, self.namespace)
         key = _lease_key(lease_id)
-        cached = self.kv_cache.match_prefix(key, hashes, len(token_ids))
+        cached = self.kv_cache.match_prefix(key, hashes)
         remote = prefill_remotely(len(token_ids), cached * block_size, self.pd_config)
         if not (remote and self.kv_cache.allocate_slots(key, num_blocks * block_size)):
             self.kv_cache.free_request(key)  # prefill here; the scheduler queues it

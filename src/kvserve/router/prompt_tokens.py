@@ -18,9 +18,9 @@ from typing import Any
 import jinja2
 
 from kvserve.core.hashing import block_hashes, make_namespace
-from kvserve.engine.chat_template import ChatTemplateError
-from kvserve.engine.model_config import ModelLoadError
-from kvserve.engine.tokenizer import Tokenizer
+from kvserve.model_folder.chat_template import ChatTemplateError
+from kvserve.model_folder.errors import ModelLoadError
+from kvserve.model_folder.tokenizer import Tokenizer
 
 
 @dataclass(frozen=True, slots=True)

@@ -44,7 +44,7 @@ class EngineState:
 def probe_engine(engine: Any) -> EngineState:
     """Reads an ``LLMEngine``; call only on the engine's own thread."""
     load = engine.load()
-    stats = engine.kv_cache.stats
+    prefix_cache = engine.scheduler.stats  # each request counted once, at admission
     return EngineState(
         running=load["running"],
         waiting=load["waiting"],
@@ -52,8 +52,8 @@ def probe_engine(engine: Any) -> EngineState:
         cached_blocks=load["cached_blocks"],
         total_blocks=load["total_blocks"],
         prefill_tokens=load["prefill_tokens"],
-        prefix_queried_tokens=stats.queried_tokens,
-        prefix_hit_tokens=stats.hit_tokens,
+        prefix_queried_tokens=prefix_cache.prompt_tokens,
+        prefix_hit_tokens=prefix_cache.cached_prompt_tokens,
         preemptions=load.get("preemptions", 0),
         events_last_seq=engine.events.last_seq,
         kv_tiers=tuple(tiers.metrics().items())

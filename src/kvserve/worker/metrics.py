@@ -45,11 +45,11 @@ class _EngineStateCollector(Collector):
             yield GaugeMetricFamily(name, documentation, value=value)
         counters = {
             "kvserve_prefix_cache_queried_tokens": (
-                "Prompt tokens looked up in the prefix cache.",
+                "Prompt tokens of admitted requests (each request once).",
                 state.prefix_queried_tokens,
             ),
             "kvserve_prefix_cache_hit_tokens": (
-                "Prompt tokens found in the prefix cache.",
+                "Prompt tokens served from the prefix cache (each request once).",
                 state.prefix_hit_tokens,
             ),
             "kvserve_num_preemptions": ("Requests preempted.", state.preemptions),

@@ -24,7 +24,7 @@ from starlette.responses import Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from kvserve.core.sampling_params import InvalidParameterError, SamplingParams
-from kvserve.engine.chat_template import ChatTemplateError
+from kvserve.model_folder.chat_template import ChatTemplateError
 from kvserve.worker.async_engine import AsyncEngine
 from kvserve.worker.errors import (
     APIError,

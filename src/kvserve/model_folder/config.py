@@ -13,9 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-
-class ModelLoadError(ValueError):
-    """A model folder cannot be used; the message is one line naming what is wrong."""
+from kvserve.model_folder.errors import ModelLoadError
 
 
 @dataclass(frozen=True, slots=True)

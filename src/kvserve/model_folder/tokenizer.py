@@ -12,8 +12,9 @@ from typing import Any
 
 from tokenizers import Tokenizer as HFTokenizer
 
-from kvserve.engine.chat_template import render_chat_template, select_template
-from kvserve.engine.model_config import ModelLoadError, read_json, token_id_list
+from kvserve.model_folder.chat_template import render_chat_template, select_template
+from kvserve.model_folder.config import read_json, token_id_list
+from kvserve.model_folder.errors import ModelLoadError
 
 _SPECIAL_TOKEN_FIELDS = (
     "bos_token",
