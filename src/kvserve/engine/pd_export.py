@@ -13,7 +13,7 @@ ends first (aborted, rejected, a failed step) tells its sink it failed.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
@@ -23,7 +23,9 @@ from kvserve.core.scheduler import SchedulerOutput
 from kvserve.engine.errors import InvalidRequestError
 from kvserve.engine.kv_block_io import read_blocks
 from kvserve.engine.kv_connector import ConnectorContext, KVConnector
-from kvserve.engine.llm_engine import LLMEngine
+
+if TYPE_CHECKING:
+    from kvserve.engine.llm_engine import LLMEngine
 
 # Two tokens, no EOS: the request is still running, its block table readable, when the
 # last block is shipped; it is dropped then.

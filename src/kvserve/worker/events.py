@@ -44,7 +44,7 @@ def _take_snapshot(
     """Every tier at one ``last_seq``: run on the engine thread, where every tier's
     events are emitted, so no event falls between the device and the other tiers."""
     last_seq, device = engine.kv_cache.snapshot()
-    return last_seq, device, engine.tiers.snapshot() if engine.tiers is not None else {}
+    return last_seq, device, engine.connector_snapshot()
 
 
 def _pairs(blocks: BlockList) -> list[list[int | None]]:

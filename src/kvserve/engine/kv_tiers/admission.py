@@ -157,7 +157,9 @@ class TierAdmissions:
         table = cache.block_table(holder)
         if from_host:
             assert host is not None
-            write_blocks(self._pool, self._layout, table[in_device:end], host.read(hashes[in_device:end]))
+            write_blocks(
+                self._pool, self._layout, table[in_device:end], host.read(hashes[in_device:end])
+            )
         if stored is not None and from_storage:
             write_blocks(self._pool, self._layout, table[end:total], stored)
             if host is not None:  # loaded once, kept close for the next request
