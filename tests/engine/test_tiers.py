@@ -4,8 +4,9 @@ ledger's and the host index's checks."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import ClassVar
 
 import pytest
 
@@ -14,6 +15,8 @@ from kvserve.core.sampling_params import SamplingParams
 from kvserve.engine.kv_tier_config import KVTierConfig
 from kvserve.engine.kv_tiers.connector import KVTiers, kv_tiers
 from kvserve.engine.llm_engine import LLMEngine
+from kvserve.engine.storage import KVStorage, register_backend
+from kvserve.engine.storage.base import is_storage_url, storage_usage
 from tests.support import redis_server as redis_support
 
 redis_server = redis_support.redis_server
@@ -179,3 +182,46 @@ def test_abort_while_loading_releases_every_block(
         reader.step()  # the load result arrives and is dropped
     assert reader.kv_cache.num_free_blocks == reader.kv_cache.num_blocks
     assert not reader.has_unfinished_requests()
+
+
+class DictStorage(KVStorage):
+    """A backend over a dict shared by every engine of a test: what a new backend writes
+    to plug in (the engine and the tiers are not touched)."""
+
+    stores: ClassVar[dict[str, dict[int, bytes]]] = {}
+
+    def __init__(self, url: str, namespace: str) -> None:
+        self.namespace = namespace
+        self._values = self.stores.setdefault(f"{url}/{namespace}", {})
+
+    def exists(self, keys: Sequence[int]) -> int:
+        return next((i for i, key in enumerate(keys) if key not in self._values), len(keys))
+
+    def get_many(self, keys: Sequence[int]) -> list[bytes | None]:
+        return [self._values.get(key) for key in keys]
+
+    def put_many(self, items: Sequence[tuple[int, bytes]]) -> list[int]:
+        self._values.update(items)
+        return []
+
+    def delete_many(self, keys: Sequence[int]) -> None:
+        for key in keys:
+            self._values.pop(key, None)
+
+
+register_backend("dict", "dict:NAME", lambda url, namespace, _: DictStorage(url, namespace))
+
+
+def test_a_registered_backend_serves_as_the_storage_tier(
+    tiny_model_dir: Path, cold: LLMEngine, engines: list[LLMEngine]
+) -> None:
+    prompt = [*PREFIX, 71, 72]
+    expected = generate(cold, {"c": prompt})["c"][0]
+    writer = make(engines, tiny_model_dir, KVTierConfig(storage="dict:shared"))
+    generate(writer, {"a": [*PREFIX, 1]})
+    writer.close()
+    reader = make(engines, tiny_model_dir, KVTierConfig(storage="dict:shared"))
+    assert generate(reader, {"b": prompt})["b"] == (expected, 192)
+    assert is_storage_url("dict:other") and "dict:NAME" in storage_usage()
+    with pytest.raises(ValueError, match="already registered"):
+        register_backend("dict", "dict:NAME", lambda url, namespace, _: DictStorage(url, namespace))

@@ -8,7 +8,7 @@ from typing import Annotated
 
 import typer
 
-from kvserve.engine.storage.base import DEFAULT_FILE_STORAGE_BYTES
+from kvserve.engine.storage.base import DEFAULT_FILE_STORAGE_BYTES, is_storage_url, storage_usage
 
 
 def register(app: typer.Typer) -> None:
@@ -98,8 +98,8 @@ def register(app: typer.Typer) -> None:
             )
         except ValueError as error:
             raise typer.BadParameter(str(error)) from error
-        if kv_storage is not None and not kv_storage.startswith(("file:", "redis://")):
-            raise typer.BadParameter("use file:DIR or redis://host:port", param_hint="--kv-storage")
+        if kv_storage is not None and not is_storage_url(kv_storage):
+            raise typer.BadParameter(f"use {storage_usage()}", param_hint="--kv-storage")
         logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(message)s")
         serve(
             WorkerConfig(

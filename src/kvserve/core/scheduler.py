@@ -156,7 +156,8 @@ class Scheduler:
         plan = _StepPlan(budget=self.config.max_num_batched_tokens)
         # Decodes first, each part in arrival order (``running`` already is): a stable
         # partition, with no sort.
-        decoding, prefilling = [], []
+        decoding: list[Request] = []
+        prefilling: list[Request] = []
         for request in self.running:
             (decoding if request.is_decoding else prefilling).append(request)
         for request in decoding + prefilling:

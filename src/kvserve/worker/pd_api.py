@@ -104,7 +104,10 @@ class PDService:
     async def _sweep_leases(self) -> None:
         while True:
             await asyncio.sleep(LEASE_SWEEP_INTERVAL_S)
-            self._bridge.post(lambda _: self._importer.expire(time.monotonic()))
+            self._bridge.post(self._expire_leases)
+
+    def _expire_leases(self, _: LLMEngine) -> None:
+        self._importer.expire(time.monotonic())
 
     async def _respond(
         self,
@@ -120,7 +123,7 @@ class PDService:
         session = PDDecodeSession(
             self._bridge, self._importer, self._receiver, prefill_url, request.receive
         )
-        endpoints = OpenAIEndpoints(session, self._metrics, self._config.api_key)  # type: ignore[arg-type]
+        endpoints = OpenAIEndpoints(session, self._metrics, self._config.api_key)
         await endpoints.check_api_key(request)
         endpoints.check_model(body)
         response = await endpoints.generate(request, body, fmt, prompt_of(endpoints), max_tokens)
