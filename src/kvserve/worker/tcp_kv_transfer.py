@@ -1,10 +1,10 @@
 """The default KV transfer, over TCP: a prefill worker's server and a decode worker's client.
 
 The decode worker learns the prefill worker's transfer address from its ``/pd/info``,
-connects, asks for a prompt's blocks (:mod:`pd_wire`), and installs
-each run as it arrives; the prefill worker computes the prompt on its engine thread and
-writes each run of blocks as soon as the engine hands it over, so the network works
-while later chunks compute. The connection is the transfer's lifetime: when the decode
+connects, asks for a prompt's blocks (:mod:`pd_wire`), and installs each run as it
+arrives; the prefill worker computes the prompt on its engine thread and writes each run
+of blocks as soon as the engine hands it over, so the network works while later chunks
+compute. The connection is the transfer's lifetime: when the decode
 side hangs up (client gone, lease lapsed, decode worker dead) the prefill worker drops
 the export at once, and when the prefill side dies the decode worker sees the
 connection end and stops waiting.
