@@ -1,4 +1,5 @@
-"""The two core hooks the KV tiers use: an unpinned prefix lookup and the admission gate."""
+"""The two core hooks the KV tiers use: an unpinned prefix lookup and a connector's
+admission gate."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from kvserve.core.kv_cache_manager import KVCacheManager
 from kvserve.core.request import Request, RequestStatus
 from kvserve.core.sampling_params import SamplingParams
 from kvserve.core.scheduler import Scheduler
+from tests.core.test_kv_connector import RecordingConnector
 
 NS = b"test"
 BS = 4
@@ -34,9 +36,8 @@ def test_lookup_prefix_pins_nothing() -> None:
 
 def test_a_gated_request_waits_while_later_ones_are_admitted() -> None:
     cache = KVCacheManager(16, BS)
-    scheduler = Scheduler(cache)
     loading = {"first"}
-    scheduler.admission_gate = lambda request: request.request_id not in loading
+    scheduler = Scheduler(cache, connector=RecordingConnector(refuse=loading))
     first, second = _request("first", [1] * 9), _request("second", [2] * 9)
     scheduler.add(first)
     scheduler.add(second)

@@ -72,7 +72,11 @@ def register(app: typer.Typer) -> None:
         """Serve one engine: OpenAI API, /health, /load, /metrics, KV events."""
         from kvserve.core.routing.pd_pair import PDConfig
         from kvserve.engine.kv_tier_config import KVTierConfig
-        from kvserve.engine.storage.base import DEFAULT_FILE_STORAGE_BYTES
+        from kvserve.engine.storage.base import (
+            DEFAULT_FILE_STORAGE_BYTES,
+            is_storage_url,
+            storage_usage,
+        )
         from kvserve.worker.config import WorkerConfig
         from kvserve.worker.server import serve
 
@@ -102,8 +106,8 @@ def register(app: typer.Typer) -> None:
             )
         except ValueError as error:
             raise typer.BadParameter(str(error)) from error
-        if kv_storage is not None and not kv_storage.startswith(("file:", "redis://")):
-            raise typer.BadParameter("use file:DIR or redis://host:port", param_hint="--kv-storage")
+        if kv_storage is not None and not is_storage_url(kv_storage):
+            raise typer.BadParameter(f"use {storage_usage()}", param_hint="--kv-storage")
         logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(message)s")
         serve(
             WorkerConfig(

@@ -23,7 +23,7 @@ class EngineState:
     prefix_hit_tokens: int = 0
     preemptions: int = 0
     events_last_seq: int = 0
-    kv_tiers: tuple[tuple[str, int], ...] = ()  # KVTiers.metrics() items, if tiers are on
+    kv_tiers: tuple[tuple[str, int], ...] = ()  # the connectors' metrics (the KV tiers' only)
 
     @property
     def used_blocks(self) -> int:
@@ -56,7 +56,5 @@ def probe_engine(engine: Any) -> EngineState:
         prefix_hit_tokens=prefix_cache.cached_prompt_tokens,
         preemptions=load.get("preemptions", 0),
         events_last_seq=engine.events.last_seq,
-        kv_tiers=tuple(tiers.metrics().items())
-        if (tiers := getattr(engine, "tiers", None))
-        else (),
+        kv_tiers=tuple(engine.connector_metrics().items()),
     )

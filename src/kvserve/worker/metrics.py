@@ -62,8 +62,8 @@ class _EngineStateCollector(Collector):
 
 def _kv_tier_metrics(values: tuple[tuple[str, int], ...]) -> Iterator[Metric]:
     """``kvserve_kv_tier_*``: hits, loads, writes and faults of the host and storage tiers
-    (names as in :meth:`kvserve.engine.kv_tiers.KVTiers.metrics`)."""
-    from kvserve.engine.kv_tiers import FAULT_PREFIX, GAUGES
+    (names as in :meth:`kvserve.engine.kv_tiers.connector.KVTiers.metrics`)."""
+    from kvserve.engine.kv_tiers.connector import FAULT_PREFIX, GAUGES
 
     faults = CounterMetricFamily(
         "kvserve_kv_tier_faults",
