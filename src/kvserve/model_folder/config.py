@@ -130,7 +130,7 @@ def _architecture(raw: dict[str, Any], source: str) -> str:
     names = raw.get("architectures") or []
     for name in names:
         if name in _FAMILIES:
-            return name
+            return str(name)
     shown = ", ".join(names) if names else "none given"
     raise ModelLoadError(
         f"{source}: unsupported architecture ({shown}); supported: "

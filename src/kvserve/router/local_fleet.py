@@ -154,7 +154,8 @@ def free_port(host: str = "127.0.0.1") -> int:
     """A port that was free a moment ago (the OS picks it; reuse races are rare on loopback)."""
     with socket.socket() as sock:
         sock.bind((host, 0))
-        return sock.getsockname()[1]
+        port: int = sock.getsockname()[1]
+        return port
 
 
 class LocalFleet:

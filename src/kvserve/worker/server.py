@@ -71,7 +71,8 @@ def serve(config: WorkerConfig) -> None:
             lifespan="on",
             access_log=False,
             log_level="warning",
-            timeout_graceful_shutdown=config.shutdown_timeout_s,
+            # uvicorn types this as int but waits with asyncio, which takes a float.
+            timeout_graceful_shutdown=config.shutdown_timeout_s,  # type: ignore[arg-type]
         )
     )
     logger.warning(
