@@ -119,7 +119,7 @@ def test_pd_mode_answers_as_mixed_names_both_workers_and_sigterm_stops_it(
         assert headers["x-kvserve-pd"] == "remote", headers
         assert pools[headers["x-kvserve-worker"]] == "decode"
         assert pools[headers["x-kvserve-prefill-worker"]] == "prefill"
-        assert "policy=pd" in headers["x-kvserve-decision"]
+        assert "policy=cache_aware" in headers["x-kvserve-decision"]
         expected = greedy_completion(mixed, prompt).json()["choices"][0]["text"]
         assert answer.json()["choices"][0]["text"] == expected
         stop_and_check(pd, signal.SIGTERM, [worker["url"] for worker in listed])

@@ -60,7 +60,13 @@ def register(app: typer.Typer) -> None:
             Path | None,
             typer.Option(help="Hugging Face model folder (default: the tiny model).", exists=True),
         ] = None,
-        policy: Annotated[str, typer.Option(help="Router policy.")] = "cache_aware",
+        policy: Annotated[
+            str,
+            typer.Option(
+                help="Router policy (PD mode too): cache_aware | kv_aware | round_robin | "
+                "random | power_of_two | session | least_loaded."
+            ),
+        ] = "cache_aware",
         host: Annotated[str, typer.Option(help="Router address.")] = "127.0.0.1",
         port: Annotated[int, typer.Option(help="Router port.")] = 8000,
         start_timeout: Annotated[float, typer.Option(help="Seconds to wait for health.")] = 180,
@@ -70,7 +76,7 @@ def register(app: typer.Typer) -> None:
         ] = 0,
     ) -> None:
         """Start workers and a router on this machine; Ctrl-C stops everything."""
-        from kvserve.router.config import POLICY_NAMES
+        from kvserve.core.routing.policies import POLICY_NAMES
         from kvserve.router.local_fleet import LocalFleet, StartError
 
         if policy not in POLICY_NAMES:
