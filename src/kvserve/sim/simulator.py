@@ -6,14 +6,15 @@ router's own routing policy objects (:func:`kvserve.core.routing.policies.make_p
 driven with the router's calls: ``select`` on the loads the router's guards would hold
 (in-flight requests, and prompt tokens until the first token), and ``observe_events``
 with what each worker's cache emitted after each step; a
-:class:`~kvserve.core.cost_model.CostModel` stands in for the GPU.
+:class:`~kvserve.core.cost_model.CostModel` stands in for the GPU. Events are kept in a
+heap; arrivals are already sorted and are merged in from the trace, and a worker's steps
+run back to back while it has work.
 
 A request's query is built from its trace entry: ``text`` has one character per trace
 block (distinct blocks, distinct characters, so ``cache_aware``'s matched fraction is a
 fraction of blocks), ``blocks`` the engine's own hashes of its tokens (for
 ``kv_aware``), ``session_key`` the trace's session field (Mooncake traces have none, so
-``session`` routes every request by load there). Events are kept in a heap; arrivals are already sorted and are merged in from the
-trace, and a worker's steps run back to back while it has work.
+``session`` routes every request by load there).
 
 ``global`` is the reference ceiling: N schedulers (N GPUs) over one shared cache of N×T
 tokens, so every request finds every prefix ever computed and still in that cache; with
