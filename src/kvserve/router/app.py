@@ -14,6 +14,8 @@ import aiohttp
 import orjson
 from aiohttp import web
 
+from kvserve.core.routing.kv_index import TIERS
+from kvserve.core.routing.policies.kv_aware import KvAwarePolicy
 from kvserve.router.access import bearer_matches, control_plane_refusal, unauthorized
 from kvserve.router.config import RouterConfig
 from kvserve.router.errors import openai_error
@@ -149,6 +151,12 @@ class Router:
         )
 
     async def prometheus(self, _request: web.Request) -> web.Response:
+        if isinstance(self.policy, KvAwarePolicy):
+            index = self.policy.routing.index
+            for worker in self.registry.all():
+                for tier in TIERS:
+                    blocks = index.num_blocks(worker.worker_id, tier)
+                    self.metrics.kv_index_blocks.labels(worker.worker_id, tier).set(blocks)
         return web.Response(body=self.metrics.render(), content_type="text/plain")
 
     def _describe(self, worker: Worker) -> dict[str, object]:
@@ -198,6 +206,9 @@ class Router:
             self._proxy.forget_worker(worker.worker_id)
         with contextlib.suppress(KeyError):
             self.metrics.worker_healthy.remove(worker.worker_id)
+        for tier in TIERS:
+            with contextlib.suppress(KeyError):
+                self.metrics.kv_index_blocks.remove(worker.worker_id, tier)
         log.info("removed worker %s at %s", worker.worker_id, worker.url)
         return _json(worker.describe())
 
