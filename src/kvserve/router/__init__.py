@@ -1,4 +1,4 @@
-"""The router: an HTTP gateway over a fleet of OpenAI-compatible workers (DESIGN.md §6).
+"""The router: an HTTP gateway over a fleet of OpenAI-compatible workers (docs/architecture.md).
 
 It talks HTTP only and never imports torch, so it installs and starts without it.
 """

@@ -1,1 +1,2 @@
-"""sim layer (see DESIGN.md §1)."""
+"""The simulator: the router's policies over the engine's scheduler and KV cache, in virtual
+time (see docs/architecture.md)."""

@@ -1,6 +1,6 @@
 """The fleet's KV blocks as the workers report them: which worker holds which block, per tier.
 
-Built from KV events alone (stored / removed / cleared, DESIGN.md §3), so every router
+Built from KV events alone (stored / removed / cleared: docs/internals.md), so every router
 replica fed by the same events holds the same index: no replica learns a private view from
 its own routing history. Hashes carry the model's namespace, so one index serves every
 model and pool without mixing them; a worker belongs to one pool, and only that pool's
