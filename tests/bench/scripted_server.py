@@ -99,3 +99,4 @@ class ScriptedServer(ForeignServer):
 
     async def _name_worker(self, _request: web.Request, response: web.StreamResponse) -> None:
         response.headers["x-kvserve-worker"] = self.name
+        response.headers["x-kvserve-decision"] = "policy=scripted; reason=script; matched=0.000"

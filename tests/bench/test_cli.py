@@ -41,14 +41,20 @@ async def bench(url: str, out: Path, *extra: str) -> tuple[int, str]:
 
 async def test_a_run_writes_results_report_and_plots_and_compare_overlays_runs(tmp_path) -> None:
     async with ScriptedServer(["ok", "http400"]) as server:
-        code, output = await bench(server.url, tmp_path / "a", "--label", "first")
-        assert code == 0, output
+        code, first_output = await bench(server.url, tmp_path / "a", "--label", "first")
+        assert code == 0, first_output
         code, output = await bench(
             server.url, tmp_path / "b", "--label", "second", "--api-key", "s3"
         )
         assert code == 0, output
     assert "prefix hit rate" in output and "stopped by completed" in output
+    # Errors reach the console by kind, with the first message of each kind.
+    assert "errors `HTTP 400`: 1 (e.g. HTTP 400: max_tokens is too large)" in first_output
     results = json.loads((tmp_path / "a/results.json").read_text())
+    # Which router policy and which workers served the run, from the response headers.
+    assert results["config"]["router_policy"] == "scripted"
+    assert results["config"]["workers"] == "scripted-0"
+    assert results["summary"]["router_policies"] == {"scripted": 6}
     assert results["summary"]["requests"] == 6 and results["summary"]["errors"] == 1
     assert results["config"]["model"] == "foreign"  # asked /v1/models
     assert len(results["requests"]) == 6 and results["requests"][0]["ttft_s"] > 0
@@ -56,7 +62,8 @@ async def test_a_run_writes_results_report_and_plots_and_compare_overlays_runs(t
     assert second["summary"]["prefix_hit_rate"] > 0.8  # it saw all but the refused prompt
     assert "s3" not in second["config"]["command"]
     report = (tmp_path / "a/report.md").read_text()
-    assert "| prefix hit rate |" in report and "errors `HTTP 400`: 1" in report
+    assert "| prefix hit rate |" in report and "errors `HTTP 400`: 1 (e.g. HTTP 400:" in report
+    assert "- router_policy: `scripted`" in report and "- command: `kvserve bench" in report
     for plot in PLOTS:
         assert (tmp_path / "a" / plot).read_bytes().startswith(b"\x89PNG")
         assert f"]({plot})" in report

@@ -11,7 +11,8 @@ import pytest
 
 from kvserve.bench.workloads import RequestSpec, WorkloadSpecError, build_workload
 from kvserve.bench.workloads.mooncake import read_rows
-from kvserve.bench.workloads.spec import data_dir
+from kvserve.bench.workloads.spec import DATA_DIR_ENV, data_dir
+from tests.support.processes import REPO_ROOT
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 MOONCAKE = FIXTURES / "mooncake_small.jsonl"
@@ -190,3 +191,19 @@ def test_a_request_spec_is_a_prompt_or_a_chat() -> None:
         RequestSpec(arrival_s=0, max_tokens=1, prompt="a", user_turns=("b",))
     with pytest.raises(ValueError, match="system prompt needs a chat"):
         RequestSpec(arrival_s=0, max_tokens=1, prompt="a", system="s")
+
+
+def test_the_data_folder_does_not_depend_on_the_working_directory(tmp_path, monkeypatch) -> None:
+    monkeypatch.delenv(DATA_DIR_ENV, raising=False)
+    here = data_dir()
+    monkeypatch.chdir(tmp_path)
+    assert data_dir() == here
+    assert here.is_absolute() and here.parts[-2:] == ("shared", "data")
+    assert (here.parent.parent / REPO_ROOT.name / "src" / "kvserve").is_dir()  # beside the checkout
+
+
+def test_the_data_folder_variable_wins_and_a_missing_trace_names_it(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv(DATA_DIR_ENV, str(tmp_path))
+    assert data_dir() == tmp_path
+    with pytest.raises(WorkloadSpecError, match=f"no file at {tmp_path}.*set {DATA_DIR_ENV}"):
+        build_workload("mooncake-conv")

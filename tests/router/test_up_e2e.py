@@ -5,7 +5,10 @@ SIGTERM that leaves no process behind."""
 
 from __future__ import annotations
 
+import os
 import signal
+import socket
+import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -13,6 +16,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from kvserve.router.config import POLICY_NAMES
 from kvserve.router.local_fleet import KVSERVE_COMMAND, ServerProcess
 from tests.support.metrics_text import samples
 from tests.support.ports import free_port
@@ -46,7 +50,7 @@ def stop_and_check(up: ServerProcess, signum: int, worker_urls: list[str]) -> No
     assert up.process.wait(timeout=40) == 0, up.log_tail()
     assert up.log_tail().endswith("stopped.")
     for url in [up.url, *worker_urls]:
-        with pytest.raises(httpx.ConnectError):
+        with pytest.raises(httpx.TransportError):  # refused, or reset by a dying server
             httpx.get(url + "/health", timeout=2.0)
 
 
@@ -71,6 +75,36 @@ def test_first_run_makes_the_tiny_model_in_the_cache(fleet, cache_dir: Path) -> 
     assert (cache_dir / "models" / "tiny-llama" / "config.json").exists()
     assert "making the tiny model" in up.log_tail()
     assert "curl http://127.0.0.1:" in up.log_tail()
+    log = up.log_tail(60)
+    assert f"model folder: {cache_dir / 'models' / 'tiny-llama'}" in log  # clients' tokenizer
+    assert "served as 'tiny-llama'" in log and "random weights" in log
+
+
+def test_a_taken_port_is_named_in_one_line_before_anything_starts(tmp_path: Path) -> None:
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        result = subprocess.run(
+            [*KVSERVE_COMMAND, "up", "--port", str(port)],
+            env={**os.environ, "KVSERVE_CACHE_DIR": str(tmp_path)},
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+    assert result.returncode == 1
+    lines = (result.stdout + result.stderr).strip().splitlines()
+    assert len(lines) == 1, lines
+    assert f"127.0.0.1:{port}" in lines[0] and "--port" in lines[0]
+    assert not (tmp_path / "models").exists()  # nothing was made or started
+
+
+def test_help_lists_the_policies() -> None:
+    result = subprocess.run(
+        [*KVSERVE_COMMAND, "up", "--help"], capture_output=True, text=True, timeout=60
+    )
+    for policy in POLICY_NAMES:
+        assert policy in result.stdout
 
 
 def test_cache_aware_sends_a_shared_prefix_to_the_worker_holding_it(fleet) -> None:
@@ -203,7 +237,7 @@ def test_kv_aware_fleet_hashes_prompts_then_sigkill_of_up_stops_its_children(
             while True:
                 try:
                     httpx.get(url + "/health", timeout=1.0)
-                except httpx.ConnectError:
+                except httpx.TransportError:  # refused, or reset while the server dies
                     break
                 assert time.monotonic() < deadline, f"{url} outlived kvserve up"
                 time.sleep(0.1)

@@ -1,1 +1,2 @@
-"""bench layer (see DESIGN.md §1)."""
+"""The load generator: workloads and traces replayed against any OpenAI endpoint, with
+metrics, reports and plots (docs/architecture.md)."""

@@ -8,6 +8,7 @@ must report a misbehaving server, not die of it.
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import aiohttp
 import orjson
@@ -15,6 +16,7 @@ import orjson
 from kvserve.bench.metrics import RequestRecord
 
 WORKER_HEADER = "x-kvserve-worker"
+DECISION_HEADER = "x-kvserve-decision"  # policy=NAME; reason=...; matched=...
 _JSON = {"Content-Type": "application/json"}
 
 
@@ -35,11 +37,22 @@ async def first_model(session: aiohttp.ClientSession, endpoint: str) -> str:
         models = (await resp.json())["data"]
     if not models:
         raise RuntimeError(f"{endpoint} serves no models")
-    return models[0]["id"]
+    return str(models[0]["id"])
+
+
+def decision_policy(decision: str | None) -> str | None:
+    """The policy a kvserve router names in its decision header; None from other servers."""
+    if not decision:
+        return None
+    for part in decision.split(";"):
+        key, _, value = part.strip().partition("=")
+        if key == "policy" and value:
+            return value
+    return None
 
 
 async def stream_request(
-    session: aiohttp.ClientSession, url: str, body: dict, record: RequestRecord
+    session: aiohttp.ClientSession, url: str, body: dict[str, Any], record: RequestRecord
 ) -> str:
     """POST ``body`` with streaming on, fill ``record``'s measurements, return the text.
 
@@ -56,6 +69,7 @@ async def stream_request(
         async with session.post(url, data=orjson.dumps(body), headers=_JSON) as resp:
             record.status = resp.status
             record.worker = resp.headers.get(WORKER_HEADER)
+            record.policy = decision_policy(resp.headers.get(DECISION_HEADER))
             if resp.status != 200:
                 record.error = f"HTTP {resp.status}: {_error_message(await resp.read())}"
                 return ""
@@ -98,7 +112,7 @@ async def stream_request(
     return "".join(pieces)
 
 
-def _chunk_text(event: dict) -> str:
+def _chunk_text(event: dict[str, Any]) -> str:
     choices = event.get("choices") or []
     if not choices:
         return ""
@@ -107,7 +121,7 @@ def _chunk_text(event: dict) -> str:
     return (delta.get("content") if delta is not None else choice.get("text")) or ""
 
 
-def _read_usage(event: dict, record: RequestRecord) -> None:
+def _read_usage(event: dict[str, Any], record: RequestRecord) -> None:
     usage = event.get("usage")
     if not usage:
         return

@@ -16,7 +16,7 @@ import random
 import time
 from collections.abc import Coroutine, Iterable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import aiohttp
 
@@ -72,7 +72,7 @@ class LoadGenerator:
         self._interrupted = False
         self._cut_by_duration = False  # some request was left unsent at the deadline
         self._abandoned = 0
-        self._tasks: set[asyncio.Task] = set()
+        self._tasks: set[asyncio.Task[None]] = set()
         self._t0 = 0.0
 
     def stop(self) -> None:
@@ -133,7 +133,9 @@ class LoadGenerator:
                 await asyncio.wait_for(self._stop.wait(), delay)
         return self._issuing() and self._now() >= due_s - 1e-3
 
-    async def _open_loop(self, session: aiohttp.ClientSession, specs: Iterable[RequestSpec]):
+    async def _open_loop(
+        self, session: aiohttp.ClientSession, specs: Iterable[RequestSpec]
+    ) -> None:
         rng = random.Random(self.config.seed)
         poisson_due = 0.0
         for index, spec in enumerate(specs):
@@ -146,7 +148,9 @@ class LoadGenerator:
                 return
             self._spawn(self._run_item(session, index, spec))
 
-    async def _closed_loop(self, session: aiohttp.ClientSession, specs: Iterable[RequestSpec]):
+    async def _closed_loop(
+        self, session: aiohttp.ClientSession, specs: Iterable[RequestSpec]
+    ) -> None:
         items = enumerate(specs)  # shared by all users: each takes the next item
 
         async def user() -> None:
@@ -163,7 +167,9 @@ class LoadGenerator:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def _run_item(self, session: aiohttp.ClientSession, index: int, spec: RequestSpec):
+    async def _run_item(
+        self, session: aiohttp.ClientSession, index: int, spec: RequestSpec
+    ) -> None:
         base = api_base(self.config.endpoint)
         params = {"model": self.config.model, "max_tokens": spec.max_tokens, "temperature": 0}
         if self.config.ignore_eos:
@@ -188,7 +194,7 @@ class LoadGenerator:
             self.progress.item_done()
 
     async def _send(
-        self, session: aiohttp.ClientSession, url: str, body: dict, index: int, turn: int
+        self, session: aiohttp.ClientSession, url: str, body: dict[str, Any], index: int, turn: int
     ) -> tuple[RequestRecord, str]:
         record = RequestRecord(item=index, turn=turn, start_s=self._now())
         try:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import asdict, dataclass, field, fields
+from typing import Any
 
 import numpy as np
 
@@ -28,6 +29,7 @@ class RequestRecord:
     completion_tokens: int = 0
     cached_tokens: int = 0
     worker: str | None = None  # x-kvserve-worker, when the server says
+    policy: str | None = None  # the router policy named in x-kvserve-decision
     status: int | None = None  # HTTP status; None when no response came
     error: str | None = None
 
@@ -39,11 +41,11 @@ class RequestRecord:
     def end_s(self) -> float:
         return self.start_s + (self.e2e_s or 0.0)
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, raw: dict) -> RequestRecord:
+    def from_dict(cls, raw: dict[str, Any]) -> RequestRecord:
         names = {f.name for f in fields(cls)}
         return cls(**{k: v for k, v in raw.items() if k in names})
 
@@ -55,7 +57,9 @@ def percentiles(values: list[float], scale: float = 1.0) -> dict[str, float | No
         return dict.fromkeys(keys)
     arr = np.asarray(values, dtype=float) * scale
     values_at = np.percentile(arr, PERCENTILES)
-    out = {f"p{p}": float(v) for p, v in zip(PERCENTILES, values_at, strict=True)}
+    out: dict[str, float | None] = {
+        f"p{p}": float(v) for p, v in zip(PERCENTILES, values_at, strict=True)
+    }
     out["mean"] = float(arr.mean())
     return out
 
@@ -67,7 +71,7 @@ def hit_rate(records: list[RequestRecord]) -> float | None:
     return sum(r.cached_tokens for r in ok) / prompt if prompt else None
 
 
-def summarize(records: list[RequestRecord], duration_s: float) -> dict:
+def summarize(records: list[RequestRecord], duration_s: float) -> dict[str, Any]:
     """The run's summary: counts, rates, latency percentiles (ms), hit rate, workers."""
     ok = [r for r in records if r.ok]
     span = max(duration_s, 1e-9)
@@ -89,11 +93,23 @@ def summarize(records: list[RequestRecord], duration_s: float) -> dict:
         "e2e_ms": percentiles([r.e2e_s for r in ok if r.e2e_s is not None], 1000.0),
         "requests_per_worker": requests_per_worker(ok),
         "error_kinds": dict(Counter(_error_kind(r.error) for r in records if r.error)),
+        "error_examples": error_examples(records),
+        "router_policies": dict(Counter(r.policy for r in records if r.policy)),
+        "workers_seen": sorted({r.worker for r in records if r.worker}),
     }
 
 
 def requests_per_worker(records: list[RequestRecord]) -> dict[str, int]:
     return dict(sorted(Counter(r.worker or "unknown" for r in records).items()))
+
+
+def error_examples(records: list[RequestRecord]) -> dict[str, str]:
+    """The first error message of each kind: what a reader needs to start looking."""
+    examples: dict[str, str] = {}
+    for record in records:
+        if record.error:
+            examples.setdefault(_error_kind(record.error), record.error)
+    return examples
 
 
 def _error_kind(error: str) -> str:

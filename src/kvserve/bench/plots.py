@@ -15,6 +15,7 @@ matplotlib.use("Agg")  # files only: no display, safe in any thread or server
 import matplotlib.pyplot as plt
 import numpy as np
 from matplotlib import ticker
+from matplotlib.figure import Figure
 
 from kvserve.bench.metrics import requests_per_worker, round_up_125, time_series
 from kvserve.bench.report import RunReport
@@ -106,7 +107,7 @@ def plot_requests_per_worker(runs: Runs, path: Path) -> None:
     _save(fig, path)
 
 
-def _legend_below(fig: plt.Figure) -> None:
+def _legend_below(fig: Figure) -> None:
     """One legend for the figure, outside the axes where it can hide no data."""
     handles, labels = fig.axes[0].get_legend_handles_labels()
     if handles:
@@ -119,7 +120,7 @@ def _round_down_125(value: float) -> float:
     return float(max(m * magnitude for m in (1, 2, 5) if m * magnitude <= value))
 
 
-def _save(fig: plt.Figure, path: Path) -> None:
+def _save(fig: Figure, path: Path) -> None:
     try:
         fig.savefig(path, dpi=110)
     finally:

@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import orjson
 from rich.table import Table
@@ -23,12 +24,14 @@ REPORT_FILE = "report.md"
 @dataclass(frozen=True)
 class RunReport:
     label: str
-    config: dict  # how the run was made: endpoint, workload, pacing, stop reason
-    summary: dict
+    config: dict[str, Any]  # how the run was made: endpoint, workload, pacing, stop reason
+    summary: dict[str, Any]
     records: list[RequestRecord]
 
 
-def make_report(label: str, config: dict, records: list[RequestRecord], duration_s: float):
+def make_report(
+    label: str, config: dict[str, Any], records: list[RequestRecord], duration_s: float
+) -> RunReport:
     return RunReport(label, config, summarize(records, duration_s), records)
 
 
@@ -51,19 +54,19 @@ def load_results(run_dir: Path) -> RunReport:
     return RunReport(raw["label"], raw["config"], raw["summary"], records)
 
 
-def _ms(key: str, stat: str) -> Callable[[dict], str]:
+def _ms(key: str, stat: str) -> Callable[[dict[str, Any]], str]:
     return lambda s: "-" if s[key][stat] is None else f"{s[key][stat]:.1f}"
 
 
-def _hit_rate(s: dict) -> str:
+def _hit_rate(s: dict[str, Any]) -> str:
     return "-" if s["prefix_hit_rate"] is None else f"{s['prefix_hit_rate']:.3f}"
 
 
-def _workers(s: dict) -> str:
+def _workers(s: dict[str, Any]) -> str:
     return ", ".join(f"{w}:{n}" for w, n in s["requests_per_worker"].items()) or "-"
 
 
-ROWS: list[tuple[str, Callable[[dict], str]]] = [
+ROWS: list[tuple[str, Callable[[dict[str, Any]], str]]] = [
     ("requests (ok / errors)", lambda s: f"{s['ok']} / {s['errors']}"),
     ("error rate", lambda s: f"{s['error_rate']:.1%}"),
     ("duration (s)", lambda s: f"{s['duration_s']:.1f}"),
@@ -97,14 +100,24 @@ def markdown_table(reports: list[RunReport]) -> str:
     return "\n".join(lines)
 
 
-def write_markdown(reports: list[RunReport], plots: dict[str, Path], out_dir: Path, file: str):
+def error_lines(report: RunReport) -> list[str]:
+    """One line per kind of error: how many, and the first message of that kind."""
+    examples = report.summary.get("error_examples", {})
+    return [
+        f"errors `{kind}`: {count}" + (f" (e.g. {examples[kind]})" if kind in examples else "")
+        for kind, count in report.summary["error_kinds"].items()
+    ]
+
+
+def write_markdown(
+    reports: list[RunReport], plots: dict[str, Path], out_dir: Path, file: str
+) -> Path:
     """The table, each run's configuration and errors, and the plots, in one page."""
     parts = ["# kvserve bench", "", markdown_table(reports), ""]
     for report in reports:
         parts.append(f"## {report.label}")
         parts += [f"- {key}: `{value}`" for key, value in report.config.items()]
-        for kind, count in report.summary["error_kinds"].items():
-            parts.append(f"- errors `{kind}`: {count}")
+        parts += [f"- {line}" for line in error_lines(report)]
         parts.append("")
     parts += [f"![{name}]({path.name})" for name, path in plots.items()]
     path = out_dir / file

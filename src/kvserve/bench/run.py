@@ -9,6 +9,7 @@ import signal
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 from rich.console import Console
@@ -20,6 +21,7 @@ from kvserve.bench.progress import LiveProgress
 from kvserve.bench.report import (
     REPORT_FILE,
     RunReport,
+    error_lines,
     make_report,
     save_results,
     summary_table,
@@ -61,6 +63,8 @@ def run_bench(options: BenchOptions, console: Console) -> tuple[RunReport, RunOu
     plots = write_plots([report], options.out)
     write_markdown([report], plots, options.out, REPORT_FILE)
     console.print(summary_table([report]))
+    for line in error_lines(report):
+        console.print(line, style="red", markup=False, highlight=False, soft_wrap=True)
     return report, outcome
 
 
@@ -88,8 +92,9 @@ async def _replay(
     return config, outcome
 
 
-def _describe(options: BenchOptions, config: LoadConfig, outcome: RunOutcome) -> dict:
+def _describe(options: BenchOptions, config: LoadConfig, outcome: RunOutcome) -> dict[str, Any]:
     started = datetime.fromtimestamp(outcome.started_at, UTC)
+    policies = {r.policy for r in outcome.records if r.policy}
     return {
         "command": options.command,
         "endpoint": config.endpoint,
@@ -99,6 +104,8 @@ def _describe(options: BenchOptions, config: LoadConfig, outcome: RunOutcome) ->
         "ignore_eos": config.ignore_eos,
         "max_requests": options.max_requests,
         "duration_limit_s": config.duration_s,
+        "router_policy": ", ".join(sorted(policies)) or "not named (not a kvserve router)",
+        "workers": ", ".join(sorted({r.worker for r in outcome.records if r.worker})) or "-",
         "stopped_by": outcome.stopped_by,
         "abandoned_in_flight": outcome.abandoned,
         "started_at": started.isoformat(timespec="seconds"),

@@ -10,7 +10,7 @@ import shlex
 import sys
 from datetime import datetime
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, cast
 
 import typer
 
@@ -26,18 +26,19 @@ _HELP = "\n\n".join(
         "Writes DIR/results.json, DIR/report.md and PNG plots.",
         "--workload SPEC is NAME[:PATH][,KEY=VALUE...], e.g. "
         "mooncake-conv:block_tokens=16,max_tokens=32. Data paths default to "
-        "$KVSERVE_DATA_DIR (../shared/data). Sources and their keys:",
+        "$KVSERVE_DATA_DIR, else the shared/data folder beside the kvserve source checkout. "
+        "Sources and their keys:",
     ]
 )
 
 
 def _opt(help_text: str) -> typer.models.OptionInfo:
-    return typer.Option(help=help_text)
+    return cast(typer.models.OptionInfo, typer.Option(help=help_text))
 
 
 def _redact_api_key(args: list[str]) -> list[str]:
     """The command line as recorded in the report, without the secret."""
-    out = []
+    out: list[str] = []
     for arg in args:
         if out and out[-1] == "--api-key":
             arg = "***"

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, cast
 
 import typer
 
@@ -12,16 +12,19 @@ _PD = "Prefill/decode disaggregation"
 
 
 def _tuning(help: str) -> typer.models.OptionInfo:
-    return typer.Option(help=help, rich_help_panel=_TUNING)
+    return cast(typer.models.OptionInfo, typer.Option(help=help, rich_help_panel=_TUNING))
 
 
 def _reliability(help: str | None = None) -> typer.models.OptionInfo:
-    return typer.Option(help=help, rich_help_panel=_RELIABILITY)
+    return cast(typer.models.OptionInfo, typer.Option(help=help, rich_help_panel=_RELIABILITY))
 
 
 def _pd_pool(role: str) -> typer.models.OptionInfo:
-    return typer.Option(
-        help=f"PD mode: {role} worker URLs (repeat the flag, or A,B).", rich_help_panel=_PD
+    return cast(
+        typer.models.OptionInfo,
+        typer.Option(
+            help=f"PD mode: {role} worker URLs (repeat the flag, or A,B).", rich_help_panel=_PD
+        ),
     )
 
 

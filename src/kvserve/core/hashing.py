@@ -1,4 +1,5 @@
-"""The block hash chain shared by engine, router and simulator (DESIGN.md §2).
+"""The block hash chain shared by engine, router and simulator (docs/architecture.md,
+"Block hashes").
 
 The router predicts a worker's cache exactly only if both compute bit-identical hashes
 from the same tokens, in different processes and on different machines. So the hash is

@@ -1,4 +1,5 @@
-"""KV events: the ordered record of what a worker's cache holds (DESIGN.md §3).
+"""KV events: the ordered record of what a worker's cache holds (docs/architecture.md,
+"Life of a KV block").
 
 The router's exact cache index is rebuilt from these events alone, so every change of
 what is held emits one, in order, with no gaps in the sequence numbers. A subscriber

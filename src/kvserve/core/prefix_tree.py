@@ -1,9 +1,10 @@
 """The prefix tree of cached blocks, with exact LRU eviction of unpinned leaves.
 
-Block hashes are chained (each encodes its whole prefix, DESIGN.md §2), so the radix
-tree needs no token comparisons: it is a dict ``hash -> block`` plus parent links, and a
-match is one dict lookup per block. Per-block fields live in flat lists indexed by
-block id, reused as blocks come and go (typed arrays measured slower in these loops).
+Block hashes are chained (each encodes its whole prefix, see :mod:`kvserve.core.hashing`),
+so the radix tree needs no token comparisons: it is a dict ``hash -> block`` plus parent
+links, and a match is one dict lookup per block. Per-block fields live in flat lists
+indexed by block id, reused as blocks come and go (typed arrays measured slower in these
+loops).
 
 Eviction takes the least recently released unpinned leaf, and a parent becomes a leaf
 candidate once its last child goes. Each block released gets the next value of a logical

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from kvserve.engine.decode_rows import RowPlacement
 
 
-def long_tensor(values: array, device: torch.device) -> torch.Tensor:
+def long_tensor(values: array[int], device: torch.device) -> torch.Tensor:
     """An int64 tensor from an ``array('q')``: several times faster than ``torch.tensor`` on
     a list, which matters at one step per generated token."""
     if not values:  # frombuffer refuses an empty buffer
@@ -150,7 +150,8 @@ class StepLayout:
             )
             for members in members_of_groups
         )
-        row_slots, row_token_index = None, slice(0)
+        row_slots = None
+        row_token_index: slice | torch.Tensor = slice(0)
         if rows is not None:
             row_slots = rows.write_index
             first_tokens = decode == list(range(len(decode)))
@@ -249,13 +250,15 @@ def _build_group(
             masks[window] = None
         else:
             masks[window] = _additive_mask(starts[:, None] + clamped, num_keys, window, dtype)
-    query_index = valid = flat_valid_index = None
+    query_index: torch.Tensor | slice | None = None
+    flat_valid_index: torch.Tensor | slice | None = None
+    valid: torch.Tensor | None = None
     if members is not None and flat_range is not None:
         query_index = flat_valid_index = flat_range
     elif members is not None or not uniform:
-        query_index = (offsets[:, None] + clamped).view(-1)
+        padded_index = (offsets[:, None] + clamped).view(-1)
         valid = (query_steps[None, :] < num_new[:, None]).view(-1)
-        flat_valid_index = query_index[valid]
+        query_index, flat_valid_index = padded_index, padded_index[valid]
     return _Group(
         batch=tables.shape[0],
         num_queries=num_queries,
@@ -374,4 +377,6 @@ def paged_attention(
         if out is None:
             out = torch.empty_like(q)
         out[group.flat_valid_index] = attended if group.valid is None else attended[group.valid]
+    if out is None:
+        raise ValueError("the attention layout has no groups")
     return out

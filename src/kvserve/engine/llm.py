@@ -14,7 +14,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeGuard, cast
 
 from kvserve.core.sampling_params import SamplingParams
 from kvserve.engine.chat_template import ChatTemplateError
@@ -67,7 +67,11 @@ class LLM:
         The model's chat template renders the prompt (with the generation prompt); a
         conversation the template refuses gets a result with ``error`` set.
         """
-        conversations = [messages] if _is_conversation(messages) else list(messages)
+        conversations: list[Conversation] = (
+            [messages]
+            if _is_conversation(messages)
+            else list(cast(Sequence[Conversation], messages))
+        )
         params = _params_per_prompt(sampling_params, len(conversations))
         jobs: list[tuple[GenerationResult, SamplingParams]] = []
         for conversation, request_params in zip(conversations, params, strict=True):
@@ -115,17 +119,17 @@ def _failed(result: GenerationResult, message: str) -> GenerationResult:
     return result
 
 
-def _is_token_list(value: object) -> bool:
+def _is_token_list(value: object) -> TypeGuard[list[int]]:
     return isinstance(value, list) and bool(value) and all(isinstance(t, int) for t in value)
 
 
 def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
     if isinstance(prompts, str) or _is_token_list(prompts):
-        return [prompts]  # type: ignore[list-item]
-    return [p if isinstance(p, str) else list(p) for p in prompts]
+        return [prompts]
+    return [p if isinstance(p, str) else list(p) for p in cast(Sequence[Prompt], prompts)]
 
 
-def _is_conversation(value: object) -> bool:
+def _is_conversation(value: object) -> TypeGuard[Conversation]:
     return isinstance(value, list) and bool(value) and isinstance(value[0], dict)
 
 

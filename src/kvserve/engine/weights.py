@@ -5,8 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import safe_open
+from safetensors import SafetensorError, safe_open
 
 from kvserve.engine.model_config import ModelLoadError, read_json
 

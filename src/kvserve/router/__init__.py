@@ -1,4 +1,4 @@
-"""The router: an HTTP gateway over a fleet of OpenAI-compatible workers (docs/architecture.md).
+"""The router: an HTTP gateway over a fleet of OpenAI-compatible workers.
 
 It talks HTTP only and never imports torch, so it installs and starts without it.
 """

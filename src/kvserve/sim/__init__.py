@@ -1,2 +1,2 @@
-"""The simulator: the router's policies over the engine's scheduler and KV cache, in virtual
-time (see docs/architecture.md)."""
+"""The discrete-event simulator: the servers' own scheduler, cache and routing policies
+in virtual time, with a cost model in place of the GPU (docs/architecture.md)."""

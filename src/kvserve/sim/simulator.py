@@ -13,7 +13,7 @@ run back to back while it has work.
 A request's query is built from its trace entry: ``text`` has one character per trace
 block (distinct blocks, distinct characters, so ``cache_aware``'s matched fraction is a
 fraction of blocks), ``blocks`` the engine's own hashes of its tokens (for
-``kv_aware``), ``session_key`` the trace's session field (Mooncake traces have none, so
+``kv_aware``), ``session_key`` the trace's session field (Mooncake and Azure traces have none, so
 ``session`` routes every request by load there).
 
 ``global`` is the reference ceiling: N schedulers (N GPUs) over one shared cache of N×T

@@ -84,7 +84,8 @@ class OpenAIEndpoints:
     def chat_prompt(self, body: ChatCompletionRequest) -> list[int]:
         messages = [{"role": m.role, "content": m.text()} for m in body.messages]
         try:
-            return self.engine.engine.tokenizer.encode_chat(messages)
+            token_ids: list[int] = self.engine.engine.tokenizer.encode_chat(messages)
+            return token_ids
         except (ChatTemplateError, jinja2.TemplateError) as exc:
             # A template may refuse a conversation (e.g. roles that do not alternate).
             raise invalid_request(f"messages: {exc}", param="messages") from exc

@@ -16,6 +16,7 @@ from __future__ import annotations
 import random
 from collections.abc import Callable
 from functools import lru_cache
+from typing import cast
 
 from kvserve.bench.workloads.base import Prompt, Workload, untimed_prompts
 
@@ -70,8 +71,8 @@ class ContentMaker:
 
     def join(self, pieces: list[Prompt]) -> Prompt:
         if self.mode == "text":
-            return "".join(pieces)  # type: ignore[arg-type]
-        return tuple(token for piece in pieces for token in piece)  # type: ignore[union-attr]
+            return "".join(cast(list[str], pieces))
+        return tuple(token for piece in cast(list[tuple[int, ...]], pieces) for token in piece)
 
 
 def block_prompts(

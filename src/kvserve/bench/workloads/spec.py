@@ -18,7 +18,8 @@ from kvserve.bench.workloads import azure, few_shot, mooncake, mt_bench, multi_t
 from kvserve.bench.workloads.base import Workload
 
 DATA_DIR_ENV = "KVSERVE_DATA_DIR"
-DEFAULT_DATA_DIR = "../shared/data"  # the repository is checked out beside shared/
+# In a source checkout the traces sit beside the repository, in shared/data.
+_CHECKOUT_DATA_DIR = Path(__file__).resolve().parents[4].parent / "shared" / "data"
 
 
 @dataclass(frozen=True)
@@ -56,7 +57,12 @@ class WorkloadSpecError(ValueError):
 
 
 def data_dir() -> Path:
-    return Path(os.environ.get(DATA_DIR_ENV, DEFAULT_DATA_DIR))
+    """Where traces named without a path are read: ``$KVSERVE_DATA_DIR``, else the
+    ``shared/data`` folder beside the source checkout kvserve runs from. Never the working
+    directory, so a command means the same thing wherever it is typed."""
+    if DATA_DIR_ENV in os.environ:
+        return Path(os.environ[DATA_DIR_ENV])
+    return _CHECKOUT_DATA_DIR
 
 
 def build_workload(spec: str, limit: int | None = None) -> Workload:

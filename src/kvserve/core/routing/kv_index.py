@@ -1,10 +1,10 @@
 """The fleet's KV blocks as the workers report them: which worker holds which block, per tier.
 
-Built from KV events alone (stored / removed / cleared: docs/internals.md), so every router
-replica fed by the same events holds the same index: no replica learns a private view from
-its own routing history. Hashes carry the model's namespace, so one index serves every
-model and pool without mixing them; a worker belongs to one pool, and only that pool's
-workers are ever scored.
+Built from KV events alone (stored / removed / cleared, :mod:`kvserve.core.kv_events`), so
+every router replica fed by the same events holds the same index: no replica learns a
+private view from its own routing history. Hashes carry the model's namespace, so one
+index serves every model and pool without mixing them; a worker belongs to one pool, and
+only that pool's workers are ever scored.
 
 Speculative entries cover the gap between routing a request and the worker's first
 ``stored`` event: a burst of requests sharing a new prefix follows the first one instead

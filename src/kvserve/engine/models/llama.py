@@ -8,6 +8,7 @@ tokens; at the small hidden sizes of tests and CPU serving, op count dominates t
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -65,7 +66,9 @@ def _load_layer(config: ModelConfig, tensors: CheckpointTensors, index: int) -> 
     def get(name: str, shape: tuple[int, ...]) -> torch.Tensor:
         return tensors.get(prefix + name, shape)
 
-    def fused(names: dict[str, int], module: str, in_dim: int, with_bias: bool):
+    def fused(
+        names: dict[str, int], module: str, in_dim: int, with_bias: bool
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         weight = torch.cat(
             [get(f"{module}.{n}.weight", (size, in_dim)) for n, size in names.items()]
         )
@@ -93,7 +96,9 @@ def _load_layer(config: ModelConfig, tensors: CheckpointTensors, index: int) -> 
     )
 
 
-def _stacked_qk_norm(config: ModelConfig, get) -> torch.Tensor:
+def _stacked_qk_norm(
+    config: ModelConfig, get: Callable[[str, tuple[int, ...]], torch.Tensor]
+) -> torch.Tensor:
     shape = (config.head_dim,)
     return torch.cat(
         (

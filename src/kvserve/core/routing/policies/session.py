@@ -2,7 +2,7 @@
 
 A conversation keeps landing on the worker that holds its history. Requests without a
 key go to the least-loaded worker. The simulator keys a request by its trace's session
-field when the trace has one (Mooncake traces have none: every request goes by load).
+field when the trace has one (Mooncake and Azure traces have none: all go by load).
 
 Pair rule: the default (:meth:`~kvserve.core.routing.policy.Policy.select_pair`): the
 session's decode worker on the ring of decode workers with KV room, then its prefill
