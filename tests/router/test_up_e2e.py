@@ -1,6 +1,7 @@
 """``kvserve up`` end to end: a fresh cache, real kvserve workers behind the router, the
 cache-aware policy finding the worker that holds a prefix, PD mode answering as mixed mode
-does, and a clean stop on Ctrl-C or SIGTERM that leaves no process behind."""
+does (and pairing with kv_aware from both pools' KV events), and a clean stop on Ctrl-C or
+SIGTERM that leaves no process behind."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ import pytest
 
 from kvserve.router.config import POLICY_NAMES
 from kvserve.router.local_fleet import KVSERVE_COMMAND, ServerProcess
+from tests.support.metrics_text import samples
 from tests.support.ports import free_port
 
 SYSTEM = "You are a careful assistant. Always answer in exactly one short sentence. " * 3
@@ -153,10 +155,59 @@ def test_pd_mode_answers_as_mixed_names_both_workers_and_sigterm_stops_it(
         assert headers["x-kvserve-pd"] == "remote", headers
         assert pools[headers["x-kvserve-worker"]] == "decode"
         assert pools[headers["x-kvserve-prefill-worker"]] == "prefill"
-        assert "policy=pd" in headers["x-kvserve-decision"]
+        assert "policy=cache_aware" in headers["x-kvserve-decision"]
         expected = greedy_completion(mixed, prompt).json()["choices"][0]["text"]
         assert answer.json()["choices"][0]["text"] == expected
         stop_and_check(pd, signal.SIGTERM, [worker["url"] for worker in listed])
+    finally:
+        pd.stop()
+
+
+def device_blocks_in_router_index(router_url: str) -> dict[str, float]:
+    return {
+        dict(labels)["worker"]: value
+        for (name, labels), value in samples(router_url + "/metrics").items()
+        if name == "kvserve_router_kv_index_blocks" and ("tier", "device") in labels
+    }
+
+
+def decision_field(response: httpx.Response, field: str) -> str:
+    return response.headers["x-kvserve-decision"].split(f"{field}=")[1].split(";")[0]
+
+
+def test_pd_mode_with_kv_aware_pairs_from_both_pools_kv_events(cache_dir: Path) -> None:
+    pd = start_up(cache_dir, "--prefill", "1", "--decode", "2", "--policy", "kv_aware")
+    try:
+        listed = httpx.get(pd.url + "/workers", timeout=10).json()["workers"]
+        pools = {worker["id"]: worker["pool"] for worker in listed}
+        prompt = " ".join(f"river{i}" for i in range(120))
+        with httpx.Client(base_url=pd.url, timeout=60.0) as client:
+            first = greedy_completion(client, prompt)
+            assert decision_field(first, "policy") == "kv_aware"
+            assert decision_field(first, "reason") == "remote", first.headers
+            prefill, decode = decision_field(first, "prefill"), first.headers["x-kvserve-worker"]
+            assert (pools[prefill], pools[decode]) == ("prefill", "decode")
+            assert first.headers["x-kvserve-pd"] == "remote"
+            # Both workers report the prompt's blocks: the prefill worker computed them,
+            # the decode worker installed them. The router's index learns both.
+            deadline = time.monotonic() + 20
+            while True:
+                held = device_blocks_in_router_index(pd.url)
+                if held.get(prefill, 0) > 0 and held.get(decode, 0) > 0:
+                    break
+                assert time.monotonic() < deadline, held
+                time.sleep(0.05)
+            # The decode worker holding the prompt prefills its repeat locally.
+            again = greedy_completion(client, prompt)
+            assert again.headers["x-kvserve-worker"] == decode
+            assert decision_field(again, "reason") in {"local_cached", "local_short"}
+            assert float(decision_field(again, "matched")) > 0.5
+            assert decision_field(again, "prefill") == "local"
+            # A long continuation goes to the prefill worker, which holds its prefix.
+            longer = greedy_completion(client, prompt + " " + prompt.replace("river", "lake"))
+            assert decision_field(longer, "reason") == "remote"
+            assert decision_field(longer, "prefill") == prefill
+            assert float(decision_field(longer, "matched")) > 0.2
     finally:
         pd.stop()
 

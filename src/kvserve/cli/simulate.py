@@ -33,8 +33,9 @@ def register(app: typer.Typer) -> None:
         policy: Annotated[
             str,
             typer.Option(
-                help="Comma-separated: round_robin, random, least_loaded, cache_aware, "
-                "kv_aware, global (one shared cache of workers x cache-tokens: the ceiling)."
+                help="Comma-separated router policies: cache_aware, kv_aware, round_robin, "
+                "random, power_of_two, session, least_loaded; or global (least_loaded over "
+                "one shared cache of workers x cache-tokens: the ceiling)."
             ),
         ] = "round_robin,cache_aware,kv_aware,global",
         profile: Annotated[
@@ -47,7 +48,9 @@ def register(app: typer.Typer) -> None:
         speedup: Annotated[
             float, typer.Option(help="Compress arrival times by this factor (more load).")
         ] = 1.0,
-        seed: Annotated[int, typer.Option(help="Seed of the random policy.")] = 0,
+        seed: Annotated[
+            int, typer.Option(help="Seed of the random and power_of_two policies.")
+        ] = 0,
         as_json: Annotated[bool, typer.Option("--json", help="Print JSON, not a table.")] = False,
         out: Annotated[
             Path | None, typer.Option(help="Write results.json, report.md and plots here.")

@@ -16,7 +16,7 @@ from typing import Annotated
 
 import typer
 
-from kvserve.router.config import POLICY_NAMES
+from kvserve.core.routing.policies import POLICY_NAMES
 
 TINY_MODEL_NAME = "tiny-llama"
 
@@ -63,7 +63,10 @@ def register(app: typer.Typer) -> None:
             typer.Option(help="Hugging Face model folder (default: the tiny model).", exists=True),
         ] = None,
         policy: Annotated[
-            str, typer.Option(help=f"Router policy: {', '.join(POLICY_NAMES)}.")
+            str,
+            typer.Option(
+                help=f"Router policy (in PD mode it selects the pair): {', '.join(POLICY_NAMES)}."
+            ),
         ] = "cache_aware",
         host: Annotated[str, typer.Option(help="Router address.")] = "127.0.0.1",
         port: Annotated[int, typer.Option(help="Router port.")] = 8000,

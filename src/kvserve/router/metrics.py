@@ -104,6 +104,13 @@ class RouterMetrics:
             ["worker"],
             registry=self.registry,
         )
+        self.kv_index_blocks = Gauge(
+            "kvserve_router_kv_index_blocks",
+            "KV blocks the router's index holds, per worker and tier, as the workers' KV "
+            "events and snapshots report them (kv_aware; speculation not counted).",
+            ["worker", "tier"],
+            registry=self.registry,
+        )
 
     def show_load(self, load: WorkerLoad) -> None:
         self.in_flight_requests.labels(load.worker_id).set(load.in_flight_requests)

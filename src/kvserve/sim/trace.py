@@ -33,6 +33,7 @@ class TraceRequest:
     input_tokens: int
     output_tokens: int
     hash_ids: tuple[int, ...]
+    session_key: str | None = None  # the conversation it belongs to, when the trace says
 
     def prompt_token_ids(self) -> list[int]:
         """One block of ``BLOCK_TOKENS`` copies of each hash id; the last one short."""
