@@ -3,7 +3,6 @@ decode history never steers prefill choices; guards of both stages are released 
 
 from __future__ import annotations
 
-from kvserve.core.routing.pd_pair import PDConfig
 from kvserve.core.routing.policies.cache_aware import CacheAwarePolicy
 from kvserve.core.routing.types import PairDecision, RouteQuery
 from kvserve.router.config import RouterConfig
@@ -28,9 +27,7 @@ def make_proxy() -> tuple[PDProxy, LoadTracker, dict[str, str], CacheAwarePolicy
     tracker = LoadTracker()
     policy = config.make_policy(0.0)
     assert isinstance(policy, CacheAwarePolicy)
-    proxy = PDProxy(
-        config, registry, tracker, policy, RouterMetrics(), None, lambda: 0.0, pd_config=PDConfig()
-    )
+    proxy = PDProxy(config, registry, tracker, policy, RouterMetrics(), None, lambda: 0.0)
     return proxy, tracker, pools, policy
 
 

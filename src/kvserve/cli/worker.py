@@ -77,14 +77,14 @@ def register(app: typer.Typer) -> None:
             is_storage_url,
             storage_usage,
         )
-        from kvserve.worker.config import WorkerConfig
+        from kvserve.worker.config import WorkerConfig, is_role, is_runner
         from kvserve.worker.server import serve
 
-        if role not in ("mixed", "prefill", "decode"):
+        if not is_role(role):
             raise typer.BadParameter("role must be mixed, prefill or decode", param_hint="--role")
         from kvserve.core.cost_model import profile
 
-        if runner not in ("model", "sim"):
+        if not is_runner(runner):
             raise typer.BadParameter("runner must be model or sim", param_hint="--runner")
         try:
             profile(sim_profile)
@@ -114,7 +114,7 @@ def register(app: typer.Typer) -> None:
                 model_dir=model,
                 host=host,
                 port=port,
-                role=role,  # type: ignore[arg-type]
+                role=role,
                 block_size=block_size,
                 num_blocks=num_blocks,
                 kv_cache_memory=kv_cache_memory,
@@ -124,7 +124,7 @@ def register(app: typer.Typer) -> None:
                 model_name=served_model_name,
                 shutdown_timeout_s=shutdown_timeout,
                 device=device,
-                runner=runner,  # type: ignore[arg-type]
+                runner=runner,
                 sim_profile=sim_profile,
                 pd=PDConfig(pd_min_remote_tokens, pd_local_hit_fraction),
                 kv_tiers=kv_tiers,

@@ -67,9 +67,7 @@ class Router:
             self._session = session
             proxy_args = (self.config, self.registry, self.tracker, self.policy, self.metrics)
             if self.config.pd_mode:
-                self._proxy = PDProxy(
-                    *proxy_args, session, preparer=self.preparer, pd_config=self.config.pd
-                )
+                self._proxy = PDProxy(*proxy_args, session, preparer=self.preparer)
             else:
                 self._proxy = Proxy(*proxy_args, session, preparer=self.preparer)
             self._health = HealthChecker(self.registry, self.config.health, self.metrics, session)

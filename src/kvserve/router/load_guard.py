@@ -12,6 +12,7 @@ so that every exit path can release without counting twice.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Protocol
 
 from kvserve.core.routing.types import WorkerLoad
 
@@ -54,6 +55,17 @@ class LoadTracker:
             self._prefill_tokens[worker_id] = held_tokens
         if self._on_change is not None:
             self._on_change(WorkerLoad(worker_id, held_requests, held_tokens))
+
+
+class Guard(Protocol):
+    """What the proxy holds for one attempt: one worker's guard, or (PD) a pair's."""
+
+    @property
+    def prefill_released(self) -> bool: ...
+
+    def release_prefill(self) -> None: ...
+
+    def release(self) -> None: ...
 
 
 class LoadGuard:

@@ -24,15 +24,21 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import time
+from collections.abc import Callable
 
 import aiohttp
 from aiohttp import web
 
-from kvserve.core.routing.pd_pair import DECODE_POOL, PREFILL_POOL, PDConfig
+from kvserve.core.routing.pd_pair import DECODE_POOL, PREFILL_POOL
+from kvserve.core.routing.policy import Policy
 from kvserve.core.routing.types import PairDecision, RouteQuery, RoutingDecision
-from kvserve.router.load_guard import LoadGuard
+from kvserve.router.config import RouterConfig
+from kvserve.router.load_guard import Guard, LoadGuard, LoadTracker
+from kvserve.router.metrics import RouterMetrics
+from kvserve.router.prompt_preparer import PromptPreparer
 from kvserve.router.proxy import Proxy
-from kvserve.router.worker_registry import Worker
+from kvserve.router.worker_registry import Worker, WorkerRegistry
 
 PREFILL_HEADER = "x-kvserve-prefill"
 PATH_HEADER = "x-kvserve-pd"  # the decode worker's answer: remote | local | fallback
@@ -68,9 +74,18 @@ class PairGuard:
 
 
 class PDProxy(Proxy):
-    def __init__(self, *args: object, pd_config: PDConfig, **kwargs: object) -> None:
-        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
-        self._pd_config = pd_config
+    def __init__(
+        self,
+        config: RouterConfig,
+        registry: WorkerRegistry,
+        tracker: LoadTracker,
+        policy: Policy,
+        metrics: RouterMetrics,
+        session: aiohttp.ClientSession,
+        clock: Callable[[], float] = time.monotonic,
+        preparer: PromptPreparer | None = None,
+    ) -> None:
+        super().__init__(config, registry, tracker, policy, metrics, session, clock, preparer)
         self._free_fraction: dict[str, float] = {}  # decode worker -> free/total blocks
 
     # -- selection -------------------------------------------------------------------
@@ -92,7 +107,7 @@ class PDProxy(Proxy):
         ]
         prefill_loads = [self._tracker.load(w.worker_id) for w in prefills]
         decision = self._policy.select_pair(
-            query, decode_loads, prefill_loads, now, self._pd_config
+            query, decode_loads, prefill_loads, now, self._config.pd
         )
         self._metrics.decisions.labels(decision.policy, decision.reason).inc()
         worker = next(w for w in decodes if w.worker_id == decision.worker_id)
@@ -100,12 +115,12 @@ class PDProxy(Proxy):
 
     # -- the attempt -----------------------------------------------------------------
 
-    def _acquire(self, worker: Worker, query: RouteQuery, decision: RoutingDecision) -> LoadGuard:
+    def _acquire(self, worker: Worker, query: RouteQuery, decision: RoutingDecision) -> Guard:
         prefill_id = _prefill_worker_id(decision)
         if prefill_id is None:  # the decode worker prefills: it carries the prefill tokens
             return self._tracker.acquire(worker.worker_id, query.prefill_tokens)
         prefill = self._tracker.acquire(prefill_id, query.prefill_tokens)
-        return PairGuard(self._tracker.acquire(worker.worker_id, 0), prefill)  # type: ignore[return-value]
+        return PairGuard(self._tracker.acquire(worker.worker_id, 0), prefill)
 
     def _upstream(
         self, request: web.Request, worker: Worker, decision: RoutingDecision

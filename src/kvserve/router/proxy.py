@@ -23,7 +23,7 @@ from kvserve.core.routing.policy import Policy
 from kvserve.core.routing.types import RouteQuery, RoutingDecision
 from kvserve.router.config import RouterConfig
 from kvserve.router.errors import openai_error
-from kvserve.router.load_guard import LoadGuard, LoadTracker
+from kvserve.router.load_guard import Guard, LoadTracker
 from kvserve.router.metrics import RouterMetrics
 from kvserve.router.prompt_preparer import PromptPreparer
 from kvserve.router.retry import RETRYABLE_STATUSES, backoff_delays
@@ -46,7 +46,7 @@ class _Attempt:
     worker: Worker
     decision: RoutingDecision
     query: RouteQuery
-    guard: LoadGuard
+    guard: Guard
     started: float
     headers: dict[str, str]
 
@@ -194,7 +194,7 @@ class Proxy:
         finally:
             attempt.guard.release()
 
-    def _acquire(self, worker: Worker, query: RouteQuery, decision: RoutingDecision) -> LoadGuard:
+    def _acquire(self, worker: Worker, query: RouteQuery, decision: RoutingDecision) -> Guard:
         """The load this attempt holds until it ends (PD mode holds two workers')."""
         return self._tracker.acquire(worker.worker_id, guarded_prefill_tokens(query, decision))
 

@@ -4,12 +4,21 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import Literal, TypeGuard, get_args
 
 from kvserve.core.routing.pd_pair import PDConfig
 from kvserve.engine.kv_tier_config import KVTierConfig
 
 Role = Literal["mixed", "prefill", "decode"]
+Runner = Literal["model", "sim"]  # sim: the cost-model runner, no weights
+
+
+def is_role(value: str) -> TypeGuard[Role]:
+    return value in get_args(Role)
+
+
+def is_runner(value: str) -> TypeGuard[Runner]:
+    return value in get_args(Runner)
 
 
 @dataclass(frozen=True, slots=True)
@@ -30,7 +39,7 @@ class WorkerConfig:
     # On SIGTERM in-flight requests get this long to finish before they are aborted.
     shutdown_timeout_s: float = 30.0
     device: str | None = None
-    runner: Literal["model", "sim"] = "model"  # sim: the cost-model runner, no weights
+    runner: Runner = "model"
     sim_profile: str = "llama3-8b-h100"  # kvserve.core.cost_model profile for runner "sim"
     pd: PDConfig = field(default_factory=PDConfig)  # prefill and decode roles only
     kv_tiers: KVTierConfig = field(default_factory=KVTierConfig)  # host and storage tiers
