@@ -221,8 +221,13 @@ def test_ctrl_c_stops_everything(fleet) -> None:
 def test_kv_aware_fleet_hashes_prompts_then_sigkill_of_up_stops_its_children(
     cache_dir: Path,
 ) -> None:
-    up = start_up(cache_dir, "--workers", "1", "--policy", "kv_aware")
+    worker_settings = ("--num-blocks", "384", "--host-cache-blocks", "64")
+    up = start_up(cache_dir, "--workers", "1", "--policy", "kv_aware", *worker_settings)
     try:
+        (worker,) = httpx.get(up.url + "/workers").json()["workers"]
+        exposed = samples(worker["url"] + "/metrics")  # up passed its worker settings on
+        assert exposed[("kvserve_kv_blocks_total", frozenset())] == 384
+        assert exposed[("kvserve_kv_tier_host_capacity_blocks", frozenset())] == 64
         with httpx.Client(base_url=up.url, timeout=60.0) as client:
             decisions = [
                 _chat(client, SYSTEM, question).headers["x-kvserve-decision"]
