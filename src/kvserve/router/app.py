@@ -17,6 +17,9 @@ from aiohttp import web
 from kvserve.core.routing.pd_pair import PDConfig
 from kvserve.router.access import bearer_matches, control_plane_refusal, unauthorized
 from kvserve.router.config import RouterConfig
+from kvserve.router.dashboard.data import dashboard_data
+from kvserve.router.dashboard.routes import DashboardRoutes
+from kvserve.router.dashboard.sampler import FleetSampler
 from kvserve.router.errors import openai_error
 from kvserve.router.health import HealthChecker
 from kvserve.router.load_guard import LoadTracker
@@ -54,6 +57,7 @@ class Router:
         self._session: aiohttp.ClientSession | None = None
         self._proxy: Proxy | None = None
         self._health: HealthChecker | None = None
+        self._sampler: FleetSampler | None = None
 
     async def lifecycle(self, _app: web.Application) -> AsyncIterator[None]:
         """Open the pooled session, check every worker once, then keep checking."""
@@ -67,7 +71,9 @@ class Router:
                 self._proxy = Proxy(*proxy_args, session)
             self._health = HealthChecker(self.registry, self.config.health, self.metrics, session)
             await self._health.probe_all()
+            self._sampler = FleetSampler(self.registry, self.metrics, session)
             tasks = [asyncio.create_task(self._health.run_forever())]
+            tasks.append(asyncio.create_task(self._sampler.run_forever()))
             if isinstance(self.policy, KvAwarePolicy):  # it follows the workers' KV events
                 subscriber = self.policy.subscribe(self.registry, session)
                 tasks.append(asyncio.create_task(subscriber.run_forever()))
@@ -92,6 +98,7 @@ class Router:
                 web.get("/workers", self._control_plane(self.list_workers)),
                 web.post("/workers", self._control_plane(self.add_worker)),
                 web.delete("/workers/{worker_id}", self._control_plane(self.remove_worker)),
+                *DashboardRoutes(self.dashboard_data).routes(self._control_plane),
             ]
         )
         return app
@@ -140,6 +147,11 @@ class Router:
 
     async def prometheus(self, _request: web.Request) -> web.Response:
         return web.Response(body=self.metrics.render(), content_type="text/plain")
+
+    def dashboard_data(self) -> dict[str, object]:
+        assert self._sampler is not None
+        policy = "pd" if self.config.pd_mode else self.config.policy
+        return dashboard_data(self.registry, self.tracker, self.metrics, self._sampler, policy)
 
     def _describe(self, worker: Worker) -> dict[str, object]:
         load = self.tracker.load(worker.worker_id)

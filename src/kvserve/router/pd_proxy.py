@@ -131,7 +131,7 @@ class PDProxy(Proxy):
         decision = PairDecision(
             decode_id, "pd", pair.reason, pair.prefill_matched_fraction, prefill_id
         )
-        self._metrics.decisions.labels(decision.policy, decision.reason).inc()
+        self._metrics.record_decision(decision)
         worker = next(w for w in decodes if w.worker_id == decode_id)
         return worker, decision
 
