@@ -61,20 +61,27 @@ def browser() -> Iterator[Browser]:
         browser.close()
 
 
-def _send_requests(fleet: Fleet) -> list[tuple[str, str]]:
-    """A few completions sharing two prefixes; (worker, reason) of each, oldest first."""
+def _send_round(fleet: Fleet, question: str) -> list[tuple[str, str]]:
+    """One completion per shared prefix; (worker, reason) of each, oldest first."""
     served = []
     model = served_model(fleet.workers[0])
     with httpx.Client(base_url=fleet.router.url, headers=AUTH, timeout=60) as client:
-        for question in ("What is a block?", "What is a tier?", "Why route by prefix?"):
-            for prefix in PREFIXES:
-                body = {"model": model, "prompt": prefix + question, "max_tokens": 4}
-                response = client.post("/v1/completions", json=body)
-                assert response.status_code == 200, response.text
-                decision = response.headers["x-kvserve-decision"]
-                reason = decision.split("reason=")[1].split(";")[0]
-                served.append((response.headers["x-kvserve-worker"], reason))
+        for prefix in PREFIXES:
+            body = {"model": model, "prompt": prefix + question, "max_tokens": 4}
+            response = client.post("/v1/completions", json=body)
+            assert response.status_code == 200, response.text
+            reason = response.headers["x-kvserve-decision"].split("reason=")[1].split(";")[0]
+            served.append((response.headers["x-kvserve-worker"], reason))
     return served
+
+
+def _wait_for_renders(page: Page, count: int) -> None:
+    """Let the page fetch ``count`` more times (a second each, so the router samples too)."""
+    renders = int(page.evaluate("document.body.dataset.renders || '0'"))
+    page.wait_for_function(
+        f"Number(document.body.dataset.renders || 0) >= {renders + count}",
+        timeout=RENDER_TIMEOUT_MS,
+    )
 
 
 def _expected(fleet: Fleet) -> dict[str, str]:
@@ -142,19 +149,13 @@ def _shown_once_settled(page: Page, fleet: Fleet) -> tuple[dict[str, str], dict[
     deadline = time.monotonic() + RENDER_TIMEOUT_MS / 1000
     while True:
         expected = _expected(fleet)
-        renders = int(page.evaluate("document.body.dataset.renders || '0'"))
-        page.wait_for_function(
-            f"Number(document.body.dataset.renders || 0) > {renders}", timeout=RENDER_TIMEOUT_MS
-        )
+        _wait_for_renders(page, 1)
         shown = {key: text for key, text in page.evaluate(COLLECT_SHOWN).items() if key in expected}
         if shown == expected or time.monotonic() > deadline:
             return shown, expected
 
 
 def test_dashboard_shows_what_metrics_say(fleet: Fleet, browser: Browser, tmp_path: Path) -> None:
-    served = _send_requests(fleet)
-    assert {worker for worker, _ in served} == {"w0", "w1"}
-
     context = browser.new_context(
         http_credentials={"username": "operator", "password": ADMIN_KEY},
         viewport={"width": 1440, "height": 900},
@@ -162,6 +163,12 @@ def test_dashboard_shows_what_metrics_say(fleet: Fleet, browser: Browser, tmp_pa
     try:
         page = context.new_page()
         page.goto(fleet.router.url + "/dashboard")
+        served = []
+        for question in ("What is a block?", "What is a tier?", "Why route by prefix?"):
+            _wait_for_renders(page, 2)  # rounds a sample or more apart: the charts have a history
+            served += _send_round(fleet, question)
+        assert {worker for worker, _ in served} == {"w0", "w1"}
+
         shown, expected = _shown_once_settled(page, fleet)
         assert shown == expected
 

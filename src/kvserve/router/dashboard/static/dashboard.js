@@ -136,18 +136,22 @@ function renderChart(id, t, series, scale) {
   for (const s of series) {
     let segment = [];
     const flush = () => {
-      if (segment.length) {
+      if (segment.length === 1) {  // a lone point between gaps: a dot, not an empty line
+        const node = document.createElementNS(ns, "circle");
+        Object.entries({ cx: segment[0][0], cy: segment[0][1], r: 2, fill: s.color })
+          .forEach(([k, v]) => node.setAttribute(k, v));
+        nodes.push(node);
+      } else if (segment.length > 1) {
         const node = document.createElementNS(ns, "polyline");
-        node.setAttribute("points", segment.join(" "));
+        node.setAttribute("points", segment.map((p) => p.join(",")).join(" "));
         node.setAttribute("stroke", s.color);
-        if (segment.length === 1) node.setAttribute("stroke-linecap", "round");
         nodes.push(node);
       }
       segment = [];
     };
     s.points.forEach((v, i) => {
       if (v === null) flush();
-      else segment.push(`${x(t[i]).toFixed(1)},${y(v).toFixed(1)}`);
+      else segment.push([x(t[i]).toFixed(1), y(v).toFixed(1)]);
     });
     flush();
   }
