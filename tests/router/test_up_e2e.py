@@ -69,6 +69,7 @@ def test_first_run_makes_the_tiny_model_in_the_cache(fleet, cache_dir: Path) -> 
     assert (cache_dir / "models" / "tiny-llama" / "config.json").exists()
     assert "making the tiny model" in up.log_tail()
     assert "curl http://127.0.0.1:" in up.log_tail()
+    assert f"dashboard: {up.url}/dashboard" in up.log_tail()
 
 
 def test_cache_aware_sends_a_shared_prefix_to_the_worker_holding_it(fleet) -> None:
@@ -117,6 +118,11 @@ def test_pd_mode_answers_as_mixed_names_both_workers_and_sigterm_stops_it(
             answer = greedy_completion(client, prompt)
         headers = answer.headers
         assert headers["x-kvserve-pd"] == "remote", headers
+        data = httpx.get(pd.url + "/dashboard/data", timeout=10).json()
+        assert data["policy"] == "pd"
+        latest = data["decisions"]["recent"][0]
+        assert latest["worker"] == headers["x-kvserve-worker"]
+        assert latest["prefill_worker"] == headers["x-kvserve-prefill-worker"]
         assert pools[headers["x-kvserve-worker"]] == "decode"
         assert pools[headers["x-kvserve-prefill-worker"]] == "prefill"
         assert "policy=pd" in headers["x-kvserve-decision"]
