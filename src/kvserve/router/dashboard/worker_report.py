@@ -108,7 +108,7 @@ async def scrape_worker(
             if response.status != 200:
                 return None
             text = await response.text()
-    except (aiohttp.ClientError, TimeoutError):
+    except (aiohttp.ClientError, TimeoutError, UnicodeDecodeError):
         return None
     try:
         return parse_worker_metrics(text, now)
