@@ -19,9 +19,9 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from kvserve.engine.llm_engine import DEFAULT_KV_CACHE_MEMORY
-from kvserve.engine.model_config import ModelConfig
 from kvserve.engine.model_runner import ModelRunner, SequenceBatchItem
 from kvserve.engine.tiny_model import make_tiny_model
+from kvserve.model_folder.config import ModelConfig
 
 BLOCK_SIZE = 16
 

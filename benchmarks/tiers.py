@@ -36,6 +36,7 @@ import torch
 
 from kvserve.core.sampling_params import SamplingParams
 from kvserve.engine.kv_tier_config import KVTierConfig
+from kvserve.engine.kv_tiers.connector import KVTiers, kv_tiers
 from kvserve.engine.llm_engine import LLMEngine
 from kvserve.engine.tiny_model import make_tiny_model
 from kvserve.router.local_fleet import free_port
@@ -86,7 +87,8 @@ class Bench:
         return [*shared, *tails[0]], [*shared, *tails[1]]
 
     def engine(self, tiers: KVTierConfig | None = None) -> LLMEngine:
-        return LLMEngine(self.model, num_blocks=NUM_BLOCKS, device="cpu", kv_tiers=tiers)
+        connectors = [kv_tiers(tiers)] if tiers is not None else []
+        return LLMEngine(self.model, num_blocks=NUM_BLOCKS, device="cpu", connectors=connectors)
 
     def cold(self) -> float:
         return ttft_s(self.engine(), "m", self.prompts()[1])
@@ -109,13 +111,12 @@ class Bench:
         warm, measured = self.prompts()
         writer = self.engine(config)
         ttft_s(writer, "w", warm)
-        assert writer.tiers is not None
-        writer.tiers.close()  # every block written before the reader starts
+        writer.close()  # every block written before the reader starts
         reader = self.engine(config)
-        assert reader.tiers is not None
         took = ttft_s(reader, "m", measured)
-        assert reader.tiers.stats.storage_hit_tokens >= SHARED_TOKENS - 16, reader.tiers.stats
-        reader.tiers.close()
+        stats = reader.connector(KVTiers).stats
+        assert stats.storage_hit_tokens >= SHARED_TOKENS - 16, stats
+        reader.close()
         return took
 
 

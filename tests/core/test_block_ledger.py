@@ -201,22 +201,6 @@ def test_clear_keeps_pinned_blocks_and_says_cleared_only_when_empty():
     ledger.check()
 
 
-def test_counters_are_exact():
-    ledger = BlockLedger(8, 4)
-    hashes = chain(list(range(3)))
-    blocks = ledger.allocate(3)
-    ledger.insert(hashes, blocks)
-    ledger.unpin(blocks)
-    ledger.unpin(ledger.match(hashes[:2], num_query_tokens=10))
-    ledger.unpin(ledger.match(chain([9]), num_query_tokens=5))
-    stats = ledger.stats
-    assert (stats.queries, stats.queried_tokens, stats.hit_tokens) == (2, 15, 8)
-    assert stats.hit_rate == pytest.approx(8 / 15)
-    with pytest.raises(ValueError, match="2 full blocks do not fit in a query of 7 tokens"):
-        ledger.match(hashes[:2], num_query_tokens=7)
-    assert stats.queries == 2
-
-
 @pytest.mark.parametrize(
     "corrupt",
     [

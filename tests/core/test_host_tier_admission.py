@@ -1,4 +1,5 @@
-"""The two core hooks the KV tiers use: an uncounted prefix lookup and the admission gate."""
+"""The two core hooks the KV tiers use: an unpinned prefix lookup and a connector's
+admission gate."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from kvserve.core.kv_cache_manager import KVCacheManager
 from kvserve.core.request import Request, RequestStatus
 from kvserve.core.sampling_params import SamplingParams
 from kvserve.core.scheduler import Scheduler
+from tests.core.test_kv_connector import RecordingConnector
 
 NS = b"test"
 BS = 4
@@ -18,27 +20,24 @@ def _request(request_id: str, tokens: list[int]) -> Request:
     )
 
 
-def test_lookup_prefix_neither_pins_nor_counts() -> None:
+def test_lookup_prefix_pins_nothing() -> None:
     cache = KVCacheManager(8, BS)
     hashes = block_hashes(list(range(12)), BS, NS)
     cache.allocate_slots("a", 12)
     cache.commit_blocks("a", hashes)
     table = cache.block_table("a")
     cache.free_request("a")
-    queries = cache.stats.queries
     assert cache.lookup_prefix(hashes) == table
     assert cache.lookup_prefix([hashes[0], 999, hashes[2]]) == table[:1]
     assert cache.lookup_prefix([hashes[1]]) == [table[1]]  # any cached path start
-    assert cache.stats.queries == queries
     assert cache.num_evictable_blocks == 3  # nothing pinned
     cache.check()
 
 
 def test_a_gated_request_waits_while_later_ones_are_admitted() -> None:
     cache = KVCacheManager(16, BS)
-    scheduler = Scheduler(cache)
     loading = {"first"}
-    scheduler.admission_gate = lambda request: request.request_id not in loading
+    scheduler = Scheduler(cache, connector=RecordingConnector(refuse=loading))
     first, second = _request("first", [1] * 9), _request("second", [2] * 9)
     scheduler.add(first)
     scheduler.add(second)

@@ -22,7 +22,7 @@ def reusable(tokens):
 
 def run_prompt(kv, request_id, tokens):
     """Match, allocate and publish a whole prompt, as the scheduler would."""
-    matched = kv.match_prefix(request_id, reusable(tokens), len(tokens))
+    matched = kv.match_prefix(request_id, reusable(tokens))
     assert kv.allocate_slots(request_id, len(tokens))
     kv.commit_blocks(request_id, hashes_of(tokens))
     kv.check()
@@ -40,8 +40,6 @@ def test_a_second_request_reuses_the_first_ones_prefix():
     assert kv.num_evictable_blocks == 4 and kv.num_free_blocks == 12
     assert run_prompt(kv, "b", [*prompt[:16], 99, 98, 97]) == 4
     assert kv.block_table("b")[:4] == table_a[:4]
-    stats = kv.stats
-    assert (stats.queries, stats.queried_tokens, stats.hit_tokens) == (2, 37, 16)
 
 
 def test_allocation_is_all_or_nothing():
@@ -72,7 +70,7 @@ def test_duplicate_block_stays_owned_and_the_chain_continues_under_the_cached_on
     kv = KVCacheManager(16, BS)
     prompt = list(range(12))
     for request_id in ("a", "b"):  # both computed before either published
-        kv.match_prefix(request_id, reusable(prompt), len(prompt))
+        kv.match_prefix(request_id, reusable(prompt))
         assert kv.allocate_slots(request_id, len(prompt) + BS)
     kv.commit_blocks("a", hashes_of(prompt))
     kv.commit_blocks("b", hashes_of(prompt))
@@ -112,17 +110,13 @@ def test_matching_again_while_owning_blocks_is_refused():
     prompt = list(range(9))
     run_prompt(kv, "a", prompt)
     kv.free_request("a")
-    assert kv.match_prefix("b", reusable(prompt), len(prompt)) == 2
+    assert kv.match_prefix("b", reusable(prompt)) == 2
     # Owning nothing yet, b may retry its match (the scheduler's admission retry).
-    assert kv.match_prefix("b", reusable(prompt), len(prompt)) == 2
+    assert kv.match_prefix("b", reusable(prompt)) == 2
     kv.check()
-    before = (kv.block_table("b"), kv.snapshot(), kv.stats.queries)
-    with pytest.raises(ValueError, match="do not fit in a query of 2 tokens"):
-        kv.match_prefix("b", reusable(prompt), 2)
-    assert (kv.block_table("b"), kv.snapshot(), kv.stats.queries) == before
     assert kv.allocate_slots("b", len(prompt))
     with pytest.raises(RequestStateError, match="'b' owns blocks"):
-        kv.match_prefix("b", reusable(prompt), len(prompt))
+        kv.match_prefix("b", reusable(prompt))
     kv.check()
 
 

@@ -120,7 +120,7 @@ def test_index_equals_a_real_cache_through_events_and_a_gap() -> None:
         tokens = rng.choice(prefixes)[: rng.randrange(4, 13)] + [rng.randrange(100)] * 4
         hashes = block_hashes(tokens, 4, NAMESPACE)
         rid = f"r{step}"
-        cache.match_prefix(rid, hashes, len(tokens))
+        cache.match_prefix(rid, hashes)
         if cache.allocate_slots(rid, len(tokens)):
             cache.commit_blocks(rid, hashes)
         cache.free_request(rid)

@@ -176,6 +176,10 @@ def test_preemption_takes_the_newest_and_resumes_from_its_cached_prefix():
     assert older.output_token_ids == expected_output(range(8), 10)
     assert newer.output_token_ids == expected_output(range(100, 108), 10)
     assert driver.scheduler.stats.preemptions == len(preempted)
+    # Resuming matched the newer one's own blocks: not a hit, and each request counts once.
+    stats = driver.scheduler.stats
+    assert (stats.num_requests, stats.prompt_tokens, stats.cached_prompt_tokens) == (2, 16, 0)
+    assert newer.num_cached_tokens == 0
     driver.assert_nothing_leaked()
 
 
@@ -190,16 +194,28 @@ def test_watermark_holds_back_admission_while_others_run():
     assert big.output_token_ids == expected_output(range(100, 140), 1)
 
 
-def test_a_full_pool_does_not_count_cache_queries_for_waiting_requests():
-    driver = Driver(num_blocks=4)
-    driver.add("a", list(range(13)), max_tokens=3)  # 16 tokens: the whole pool
-    driver.add("b", list(range(100, 104)), max_tokens=1)
-    driver.step()
-    assert driver.kv.num_available_blocks == 0
-    driver.step()
-    assert driver.kv.stats.queries == 1  # only "a" was looked up so far
+def test_a_request_that_matches_then_waits_for_room_counts_once():
+    driver = Driver(num_blocks=6)
+    driver.add("p", list(range(9)), max_tokens=1)
+    driver.run()  # publishes the blocks of tokens 0-3 and 4-7
+    driver.add("a", list(range(100, 112)), max_tokens=5)
+    driver.step()  # "a" holds 3 of the 4 free blocks, soon the 4th
+    late = driver.add("b", [*range(8), *range(50, 58)], max_tokens=1)
+    attempts = 0
+    while late.num_cached_tokens is None:
+        # Room for a match: it pins the cached 2 blocks, finds no room for the 2 new
+        # ones, and releases them, until "a" finishes.
+        assert driver.kv.num_available_blocks >= 1
+        driver.step()
+        attempts += 1
+    assert attempts > 1 and late.num_cached_tokens == 8
     driver.run()
-    assert driver.kv.stats.queries == 2
+    stats = driver.scheduler.stats
+    assert (stats.num_requests, stats.prompt_tokens, stats.cached_prompt_tokens) == (
+        3,
+        9 + 12 + 16,
+        8,
+    )
     driver.assert_nothing_leaked()
 
 

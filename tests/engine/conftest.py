@@ -1,26 +1,8 @@
-"""Shared engine fixtures: tiny random-weight model folders, made once per test session."""
+"""Engine tests run torch on one thread; their model folders come from ``tests/conftest.py``."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
-import pytest
 import torch
-
-from kvserve.engine.tiny_model import ARCHES, make_tiny_model
 
 # Two cores are shared by every test process; more threads only add contention.
 torch.set_num_threads(1)
-
-
-@pytest.fixture(scope="session")
-def tiny_model_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """Folder of each tiny model family (llama, qwen2, qwen3), seed 0."""
-    root = tmp_path_factory.mktemp("tiny_models")
-    return {arch: make_tiny_model(root / arch, arch, seed=0) for arch in ARCHES}
-
-
-@pytest.fixture(scope="session")
-def tiny_model_dir(tiny_model_dirs: dict[str, Path]) -> Path:
-    """The tiny Llama folder: the default model for engine tests."""
-    return tiny_model_dirs["llama"]

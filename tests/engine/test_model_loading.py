@@ -12,8 +12,8 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
-from kvserve.engine.model_config import ModelLoadError
 from kvserve.engine.model_runner import ModelRunner, SequenceBatchItem
+from kvserve.model_folder.errors import ModelLoadError
 
 TOKENS = list(range(5, 45))  # 40 tokens: longer than the test windows and several blocks
 

@@ -8,8 +8,8 @@ import torch
 from transformers import LlamaConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-from kvserve.engine.model_config import ModelConfig
 from kvserve.engine.models.rope import RotaryTable, apply_rotary, inverse_frequencies
+from kvserve.model_folder.config import ModelConfig
 
 SCALINGS = {
     "linear": {"rope_type": "linear", "factor": 4.0},

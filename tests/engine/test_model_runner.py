@@ -13,7 +13,7 @@ from transformers import AutoModelForCausalLM
 from kvserve.engine.decode_rows import DecodeRows
 from kvserve.engine.model_runner import ModelRunner, SequenceBatchItem
 from kvserve.engine.tiny_model import ARCHES
-from kvserve.engine.tokenizer import Tokenizer
+from kvserve.model_folder.tokenizer import Tokenizer
 
 BLOCK_SIZE = 4
 NUM_BLOCKS = 96

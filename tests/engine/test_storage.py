@@ -45,8 +45,8 @@ def test_exists_is_the_longest_stored_prefix_and_batches_round_trip(storage: KVS
     assert storage.exists([1, 2, 3, 4]) == 2
     assert storage.exists([3, 1]) == 0
     assert storage.get_many([1, 3, 4]) == [b"one", None, b"four"]
-    assert storage.get(2) == b"two"
-    storage.put(3, b"three")
+    assert storage.get_many([2])[0] == b"two"
+    storage.put_many([(3, b"three")])
     assert storage.exists([1, 2, 3, 4]) == 4
     storage.delete_many([2, 99])
     assert storage.exists([1, 2, 3]) == 1
@@ -57,7 +57,7 @@ def test_a_namespace_never_sees_another_layouts_keys(tmp_path: Path) -> None:
     assert namespace_of(other) != namespace_of(LAYOUT)
     mine = open_storage(f"file:{tmp_path}", namespace_of(LAYOUT))
     theirs = open_storage(f"file:{tmp_path}", namespace_of(other))
-    mine.put(7, b"x")
+    mine.put_many([(7, b"x")])
     assert theirs.exists([7]) == 0 and mine.exists([7]) == 1
 
 
@@ -93,23 +93,28 @@ def test_a_failed_write_is_a_storage_error_and_leaves_nothing(tmp_path: Path) ->
     storage = FileStorage(tmp_path, "ns", max_bytes=1 << 20)
     (storage.directory / "00").write_bytes(b"")  # a file where the key's shard folder goes
     with pytest.raises(StorageError):
-        storage.put(0x00AB, b"value")
+        storage.put_many([(0x00AB, b"value")])
     assert storage.exists([0x00AB]) == 0
     assert not list((tmp_path / "ns").rglob("*.tmp"))
 
 
 def test_redis_down_is_a_storage_error(redis_server: redis_support.RedisServer) -> None:
     storage = open_storage(redis_server.url, "ns")
-    storage.put(1, b"x")
+    storage.put_many([(1, b"x")])
     redis_server.kill()
-    for call in (lambda: storage.exists([1]), lambda: storage.get_many([1]),
-                 lambda: storage.put(2, b"y"), lambda: storage.delete_many([1])):  # fmt: skip
+    calls = (
+        lambda: storage.exists([1]),
+        lambda: storage.get_many([1]),
+        lambda: storage.put_many([(2, b"y")]),
+        lambda: storage.delete_many([1]),
+    )
+    for call in calls:
         with pytest.raises(StorageError):
             call()
     redis_server.start()  # empty again (no persistence), and the client reconnects
     assert storage.exists([1]) == 0
-    storage.put(1, b"x")
-    assert storage.get(1) == b"x"
+    storage.put_many([(1, b"x")])
+    assert storage.get_many([1])[0] == b"x"
 
 
 def test_unknown_storage_spec_is_refused() -> None:

@@ -11,8 +11,9 @@ from pathlib import Path
 import pytest
 
 from kvserve.engine.kv_tier_config import KVTierConfig
+from kvserve.engine.kv_tiers.connector import kv_tiers
 from kvserve.engine.llm_engine import LLMEngine
-from tests.engine.test_tiers import PREFIX, generate
+from tests.engine.test_tiers import PREFIX, generate, tiers_of
 from tests.support import redis_server as redis_support
 
 redis_server = redis_support.redis_server
@@ -27,19 +28,19 @@ def expected(tiny_model_dir: Path) -> list[list[int]]:
 
 
 def _engine(model_dir: Path, storage: str) -> LLMEngine:
-    return LLMEngine(model_dir, num_blocks=64, device="cpu", kv_tiers=KVTierConfig(storage=storage))
+    config = KVTierConfig(storage=storage)
+    return LLMEngine(model_dir, num_blocks=64, device="cpu", connectors=[kv_tiers(config)])
 
 
 def _serve_fresh(model_dir: Path, storage: str, index: int) -> tuple[list[int], int, dict]:
     """Prompt ``index`` on a new engine (empty device cache) over ``storage``."""
     engine = _engine(model_dir, storage)
-    assert engine.tiers is not None
     try:
         tokens, cached = generate(engine, {"r": PROMPTS[index]})["r"]
-        engine.tiers.check()
-        return tokens, cached, engine.tiers.metrics()
+        engine.check()
+        return tokens, cached, tiers_of(engine).metrics()
     finally:
-        engine.tiers.close()
+        engine.close()
 
 
 def _fault_logs(caplog: pytest.LogCaptureFixture, kind: str) -> int:
@@ -54,7 +55,6 @@ def test_redis_killed_mid_run_and_restarted(
 ) -> None:
     caplog.set_level(logging.WARNING, "kvserve.engine.kv_offload")
     engine = _engine(tiny_model_dir, redis_server.url)
-    assert engine.tiers is not None
     assert generate(engine, {"a": PROMPTS[0]})["a"][0] == expected[0]
     redis_server.kill()
     for index in (1, 2):  # the device cache is dropped: only the dead store could help
@@ -62,13 +62,13 @@ def test_redis_killed_mid_run_and_restarted(
         assert generate(engine, {f"down{index}": PROMPTS[index]})[f"down{index}"] == (
             expected[index], 0,
         )  # fmt: skip
-    faults = engine.tiers.metrics()
+    faults = tiers_of(engine).metrics()
     assert faults["fault_read"] >= 2 and _fault_logs(caplog, "read") == 1
     redis_server.start()  # back, empty: writes resume, then a fresh engine loads
     engine.kv_cache.clear()
     assert generate(engine, {"up": PROMPTS[0]})["up"] == (expected[0], 0)
-    engine.tiers.check()
-    engine.tiers.close()
+    engine.check()
+    engine.close()
     assert _serve_fresh(tiny_model_dir, redis_server.url, 1)[:2] == (expected[1], 192)
 
 
@@ -136,11 +136,10 @@ def test_a_full_disk_fails_writes_not_requests(
     caplog.set_level(logging.WARNING, "kvserve.engine.kv_offload")
     spec = f"file:{full_directory}"
     engine = _engine(tiny_model_dir, spec)
-    assert engine.tiers is not None
     for index in (0, 1):
         assert generate(engine, {f"r{index}": PROMPTS[index]})[f"r{index}"][0] == expected[index]
-    engine.tiers.close()
-    metrics = engine.tiers.metrics()
+    engine.close()
+    metrics = tiers_of(engine).metrics()
     assert metrics["fault_write"] >= 1 and metrics["storage_failed_blocks"] >= 12
     assert _fault_logs(caplog, "write") == 1
     assert not list(full_directory.rglob("*.tmp"))

@@ -4,15 +4,19 @@ ledger's and the host index's checks."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import ClassVar
 
 import pytest
 
 from kvserve.core.request import RequestStatus
 from kvserve.core.sampling_params import SamplingParams
 from kvserve.engine.kv_tier_config import KVTierConfig
+from kvserve.engine.kv_tiers.connector import KVTiers, kv_tiers
 from kvserve.engine.llm_engine import LLMEngine
+from kvserve.engine.storage import KVStorage, register_backend
+from kvserve.engine.storage.base import is_storage_url, storage_usage
 from tests.support import redis_server as redis_support
 
 redis_server = redis_support.redis_server
@@ -34,8 +38,7 @@ def generate(engine: LLMEngine, prompts: dict[str, list[int]], max_tokens: int =
         for output in engine.step():
             tokens, _ = results[output.request_id]
             results[output.request_id] = (tokens + output.new_token_ids, output.num_cached_tokens)
-        if engine.tiers is not None:
-            engine.tiers.check()
+        engine.check()
     return results
 
 
@@ -51,14 +54,19 @@ def engines(tiny_model_dir: Path) -> Iterator[list[LLMEngine]]:
     made: list[LLMEngine] = []
     yield made
     for engine in made:
-        assert engine.tiers is not None
-        engine.tiers.check()
-        engine.tiers.close()
+        engine.check()
+        engine.close()
+
+
+def tiers_of(engine: LLMEngine) -> KVTiers:
+    return engine.connector(KVTiers)
 
 
 def make(engines: list[LLMEngine], model_dir: Path, config: KVTierConfig,
          num_blocks: int = 64) -> LLMEngine:  # fmt: skip
-    engine = LLMEngine(model_dir, num_blocks=num_blocks, device="cpu", kv_tiers=config)
+    engine = LLMEngine(
+        model_dir, num_blocks=num_blocks, device="cpu", connectors=[kv_tiers(config)]
+    )
     engines.append(engine)
     return engine
 
@@ -72,7 +80,7 @@ def test_host_tier_hit_after_device_eviction(
     assert generate(engine, {"a": prompt})["a"] == (expected, 0)
     engine.kv_cache.clear()  # the device forgets everything
     assert generate(engine, {"b": prompt})["b"] == (expected, 192)
-    assert engine.tiers is not None and engine.tiers.stats.host_hit_tokens == 192
+    assert tiers_of(engine).stats.host_hit_tokens == 192
     host_events = [e for e in engine.events.since(0) if e.tier == "host"]
     assert host_events and host_events[0].kind == "stored"
 
@@ -80,7 +88,7 @@ def test_host_tier_hit_after_device_eviction(
 def test_host_tier_bounded_by_memory(tiny_model_dir: Path, engines: list[LLMEngine]) -> None:
     engine = make(engines, tiny_model_dir, KVTierConfig(host_memory=5 * 16384))  # 5 blocks
     generate(engine, {"a": [*PREFIX, 1]})
-    assert engine.tiers is not None and engine.tiers.metrics()["host_blocks"] == 5
+    assert tiers_of(engine).metrics()["host_blocks"] == 5
 
 
 @pytest.fixture(params=["file", "redis"])
@@ -97,11 +105,10 @@ def test_a_second_engine_sharing_the_store_loads_the_prefix(
     expected = generate(cold, {"c": second})["c"][0]
     writer = make(engines, tiny_model_dir, KVTierConfig(storage=storage_spec))
     generate(writer, {"a": first})
-    assert writer.tiers is not None
-    writer.tiers.close()  # flush its queued writes
+    writer.close()  # flush its queued writes
     reader = make(engines, tiny_model_dir, KVTierConfig(storage=storage_spec))
     assert generate(reader, {"b": second})["b"] == (expected, 192)
-    assert reader.tiers is not None and reader.tiers.stats.storage_hit_tokens == 192
+    assert tiers_of(reader).stats.storage_hit_tokens == 192
     writer.step()  # announces the writes that completed
     stored = [e for e in writer.events.since(0) if e.tier == "storage" and e.kind == "stored"]
     assert sum(len(e.block_hashes) for e in stored) == 12
@@ -119,8 +126,8 @@ def test_preempted_request_resumes_from_storage(
     results = generate(engine, prompts, 100)
     assert {rid: tokens for rid, (tokens, _) in results.items()} == expected
     assert engine.scheduler.stats.preemptions >= 1
-    stats = engine.tiers.stats if engine.tiers else None
-    assert stats is not None and stats.resumed_loaded_tokens > 0
+    stats = tiers_of(engine).stats
+    assert stats.resumed_loaded_tokens > 0
     assert stats.storage_hit_tokens == stats.resumed_loaded_tokens
     assert stats.resumed_reused_tokens >= stats.resumed_loaded_tokens
 
@@ -130,11 +137,10 @@ def test_hit_count_policy_writes_a_block_on_its_kth_hit(
 ) -> None:
     config = KVTierConfig(storage=f"file:{tmp_path / 'kv'}", write_policy="hit_count:2")
     engine = make(engines, tiny_model_dir, config)
-    assert engine.tiers is not None
     for round_ in range(3):  # found in the device cache by rounds 1 and 2
         generate(engine, {f"r{round_}": [*PREFIX, 5]})
-        engine.tiers.close() if round_ == 2 else None
-        written = engine.tiers.metrics()["storage_written_blocks"]
+        engine.close() if round_ == 2 else None
+        written = tiers_of(engine).metrics()["storage_written_blocks"]
         assert written == (12 if round_ == 2 else 0)
 
 
@@ -156,7 +162,7 @@ def test_a_full_write_queue_drops_writes_not_requests(
     config = KVTierConfig(storage=f"file:{tmp_path / 'kv'}", max_pending_writes=4)
     engine = make(engines, tiny_model_dir, config)
     assert generate(engine, {"a": prompt})["a"] == expected
-    assert engine.tiers is not None and engine.tiers.metrics()["storage_dropped_blocks"] > 0
+    assert tiers_of(engine).metrics()["storage_dropped_blocks"] > 0
 
 
 def test_abort_while_loading_releases_every_block(
@@ -165,8 +171,7 @@ def test_abort_while_loading_releases_every_block(
     spec = f"file:{tmp_path / 'kv'}"
     writer = make(engines, tiny_model_dir, KVTierConfig(storage=spec))
     generate(writer, {"a": [*PREFIX, 1]})
-    assert writer.tiers is not None
-    writer.tiers.close()
+    writer.close()
     reader = make(engines, tiny_model_dir, KVTierConfig(storage=spec))
     reader.add_request("b", [*PREFIX, 2], _params())
     reader.step()  # admission asks the store and waits
@@ -177,3 +182,46 @@ def test_abort_while_loading_releases_every_block(
         reader.step()  # the load result arrives and is dropped
     assert reader.kv_cache.num_free_blocks == reader.kv_cache.num_blocks
     assert not reader.has_unfinished_requests()
+
+
+class DictStorage(KVStorage):
+    """A backend over a dict shared by every engine of a test: what a new backend writes
+    to plug in (the engine and the tiers are not touched)."""
+
+    stores: ClassVar[dict[str, dict[int, bytes]]] = {}
+
+    def __init__(self, url: str, namespace: str) -> None:
+        self.namespace = namespace
+        self._values = self.stores.setdefault(f"{url}/{namespace}", {})
+
+    def exists(self, keys: Sequence[int]) -> int:
+        return next((i for i, key in enumerate(keys) if key not in self._values), len(keys))
+
+    def get_many(self, keys: Sequence[int]) -> list[bytes | None]:
+        return [self._values.get(key) for key in keys]
+
+    def put_many(self, items: Sequence[tuple[int, bytes]]) -> list[int]:
+        self._values.update(items)
+        return []
+
+    def delete_many(self, keys: Sequence[int]) -> None:
+        for key in keys:
+            self._values.pop(key, None)
+
+
+register_backend("dict", "dict:NAME", lambda url, namespace, _: DictStorage(url, namespace))
+
+
+def test_a_registered_backend_serves_as_the_storage_tier(
+    tiny_model_dir: Path, cold: LLMEngine, engines: list[LLMEngine]
+) -> None:
+    prompt = [*PREFIX, 71, 72]
+    expected = generate(cold, {"c": prompt})["c"][0]
+    writer = make(engines, tiny_model_dir, KVTierConfig(storage="dict:shared"))
+    generate(writer, {"a": [*PREFIX, 1]})
+    writer.close()
+    reader = make(engines, tiny_model_dir, KVTierConfig(storage="dict:shared"))
+    assert generate(reader, {"b": prompt})["b"] == (expected, 192)
+    assert is_storage_url("dict:other") and "dict:NAME" in storage_usage()
+    with pytest.raises(ValueError, match="already registered"):
+        register_backend("dict", "dict:NAME", lambda url, namespace, _: DictStorage(url, namespace))

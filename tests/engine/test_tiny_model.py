@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
-from kvserve.engine.model_config import ModelConfig
 from kvserve.engine.tiny_model import make_tiny_model
+from kvserve.model_folder.config import ModelConfig
 
 KVSERVE = str(Path(sys.executable).parent / "kvserve")
 

@@ -13,7 +13,8 @@ import aiohttp
 import httpx
 import pytest
 
-from kvserve.core.routing.kv_index import KVBlockIndex
+from kvserve.core.routing.kv_aware import KvAwareConfig
+from kvserve.core.routing.policies.kv_aware import KvAwarePolicy
 from kvserve.router.config import CircuitBreakerConfig
 from kvserve.router.kv_event_subscriber import KVEventSubscriber
 from kvserve.router.local_fleet import KVSERVE_COMMAND, ServerProcess, free_port
@@ -165,12 +166,13 @@ async def test_subscriber_resyncs_from_a_restarted_workers_snapshot(model_dir: P
     worker = await asyncio.to_thread(start_sim_worker, model_dir, port)
     registry = WorkerRegistry(CircuitBreakerConfig())
     worker_id = registry.add(worker.url).worker_id
-    index = KVBlockIndex()
+    policy = KvAwarePolicy(KvAwareConfig())
+    index = policy.routing.index
     restarted: ServerProcess | None = None
     try:
         async with aiohttp.ClientSession() as session:
             subscriber = KVEventSubscriber(
-                index, registry, session, poll_timeout_s=1.0, retry_s=0.1, reconcile_s=0.2
+                policy, registry, session, poll_timeout_s=1.0, retry_s=0.1, reconcile_s=0.2
             )
             following = asyncio.create_task(subscriber.run_forever())
             try:

@@ -1,5 +1,5 @@
-"""kv_aware tokenizes in ``prepare``, off the router's event loop: the loop keeps running
-while long prompts are encoded, and the prepared hashes are the synchronous ones."""
+"""The router prepares kv_aware's queries (tokenizing) off its event loop: the loop keeps
+running while long prompts are encoded, and the prepared hashes are the synchronous ones."""
 
 from __future__ import annotations
 
@@ -9,9 +9,10 @@ from pathlib import Path
 import pytest
 
 from kvserve.core.routing.kv_aware import KvAwareConfig
+from kvserve.core.routing.policies.kv_aware import KvAwarePolicy
 from kvserve.core.routing.types import RouteQuery, WorkerLoad
 from kvserve.router.kv_event_subscriber import WorkerKVInfo
-from kvserve.router.policies.kv_aware import HashedQuery, KvAwarePolicy
+from kvserve.router.prompt_preparer import PromptPreparer
 from kvserve.router.prompt_tokens import PromptHasher
 
 BLOCK = 16
@@ -24,10 +25,10 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_tiny_model(tmp_path_factory.mktemp("kv-prepare-model"), "llama")
 
 
-def policy_for(model_dir: Path) -> KvAwarePolicy:
-    policy = KvAwarePolicy(KvAwareConfig())
-    policy.learn_worker("w0", WorkerKVInfo(block_size=BLOCK, models=(str(model_dir),)))
-    return policy
+def preparer_for(model_dir: Path) -> PromptPreparer:
+    preparer = PromptPreparer()
+    preparer.learn_worker("w0", WorkerKVInfo(block_size=BLOCK, models=(str(model_dir),)))
+    return preparer
 
 
 def query(body: dict) -> RouteQuery:
@@ -35,7 +36,8 @@ def query(body: dict) -> RouteQuery:
 
 
 async def test_prepared_hashes_are_the_synchronous_ones(model_dir: Path) -> None:
-    policy, hasher = policy_for(model_dir), PromptHasher(model_dir)
+    preparer, hasher = preparer_for(model_dir), PromptHasher(model_dir)
+    policy = KvAwarePolicy(KvAwareConfig())
     chat = {"role": "user", "content": "Rivers and bridges in winter. " * 20}
     bodies = [
         {"model": str(model_dir), "messages": [chat]},
@@ -43,18 +45,18 @@ async def test_prepared_hashes_are_the_synchronous_ones(model_dir: Path) -> None
         {"model": str(model_dir), "prompt": list(range(3, 70))},
     ]
     for body in bodies:
-        prepared = await policy.prepare(query(body))
-        assert isinstance(prepared, HashedQuery) and prepared.blocks is not None
-        assert prepared.blocks == hasher.blocks(body, BLOCK)
+        prepared = await preparer.prepare(query(body))
+        assert prepared.blocks is not None and prepared.blocks == hasher.blocks(body, BLOCK)
         assert prepared.body is body and prepared.model == str(model_dir)
         decision = policy.select(prepared, [WorkerLoad("w0")], now=0.0)
         assert decision.reason != "no_tokenizer"
 
 
 async def test_a_body_the_worker_refuses_routes_by_load(model_dir: Path) -> None:
-    policy = policy_for(model_dir)
-    prepared = await policy.prepare(query({"model": str(model_dir), "prompt": [1, "x"]}))
-    decision = policy.select(prepared, [WorkerLoad("w0")], now=0.0)
+    prepared = await preparer_for(model_dir).prepare(
+        query({"model": str(model_dir), "prompt": [1, "x"]})
+    )
+    decision = KvAwarePolicy(KvAwareConfig()).select(prepared, [WorkerLoad("w0")], now=0.0)
     assert decision.reason == "no_tokenizer"
 
 
@@ -62,20 +64,20 @@ async def test_the_loop_keeps_running_while_long_prompts_are_tokenized(model_dir
     """A synchronous encode would finish every long prompt before the ticker's first
     step; the async one lets the loop serve other work (here, ticks and a short prompt's
     preparation) while the long prompts are still being encoded."""
-    policy = policy_for(model_dir)
+    preparer = preparer_for(model_dir)
     long_body = {"model": str(model_dir), "prompt": "Shared context about tides. " * 60_000}
     short_body = {"model": str(model_dir), "prompt": "A short question."}
     events: list[str] = []
 
     async def prepare_long() -> None:
-        await policy.prepare(query(long_body))
+        await preparer.prepare(query(long_body))
         events.append("long")
 
     async def serve_meanwhile() -> None:
         await asyncio.sleep(0)
         events.append("tick")
-        prepared = await policy.prepare(query(short_body))
-        assert isinstance(prepared, HashedQuery) and prepared.blocks is not None
+        prepared = await preparer.prepare(query(short_body))
+        assert prepared.blocks is not None
         events.append("short")
 
     await asyncio.gather(*(prepare_long() for _ in range(3)), serve_meanwhile())

@@ -12,7 +12,8 @@ import httpx
 import pytest
 
 from kvserve.core.kv_events import KVEvent
-from kvserve.core.routing.kv_index import KVBlockIndex
+from kvserve.core.routing.kv_aware import KvAwareConfig
+from kvserve.core.routing.policies.kv_aware import KvAwarePolicy
 from kvserve.router.config import CircuitBreakerConfig
 from kvserve.router.kv_event_subscriber import KVEventSubscriber
 from kvserve.router.worker_registry import WorkerRegistry
@@ -51,11 +52,12 @@ async def test_resync_fills_every_tier_and_drops_stale_ones(
 
         registry = WorkerRegistry(CircuitBreakerConfig())
         worker_id = registry.add(worker.url).worker_id
-        index = KVBlockIndex()
+        policy = KvAwarePolicy(KvAwareConfig())
+        index = policy.routing.index
         # What an earlier process of this worker held: the snapshot must replace it.
-        index.apply(worker_id, KVEvent(1, "stored", "host", (STALE_HOST_BLOCK,), None))
+        policy.observe_events(worker_id, [KVEvent(1, "stored", "host", (STALE_HOST_BLOCK,))])
         async with aiohttp.ClientSession() as session:
-            subscriber = KVEventSubscriber(index, registry, session, poll_timeout_s=1.0)
+            subscriber = KVEventSubscriber(policy, registry, session, poll_timeout_s=1.0)
             following = asyncio.create_task(subscriber.run_forever())
             try:
                 deadline = time.monotonic() + 20.0

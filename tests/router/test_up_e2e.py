@@ -1,10 +1,14 @@
 """``kvserve up`` end to end: a fresh cache, real kvserve workers behind the router, the
 cache-aware policy finding the worker that holds a prefix, PD mode answering as mixed mode
-does, and a clean stop on Ctrl-C or SIGTERM that leaves no process behind."""
+does (and pairing with kv_aware from both pools' KV events), and a clean stop on Ctrl-C or
+SIGTERM that leaves no process behind."""
 
 from __future__ import annotations
 
+import os
 import signal
+import socket
+import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -12,7 +16,9 @@ from pathlib import Path
 import httpx
 import pytest
 
+from kvserve.router.config import POLICY_NAMES
 from kvserve.router.local_fleet import KVSERVE_COMMAND, ServerProcess
+from tests.support.metrics_text import samples
 from tests.support.ports import free_port
 
 SYSTEM = "You are a careful assistant. Always answer in exactly one short sentence. " * 3
@@ -44,7 +50,7 @@ def stop_and_check(up: ServerProcess, signum: int, worker_urls: list[str]) -> No
     assert up.process.wait(timeout=40) == 0, up.log_tail()
     assert up.log_tail().endswith("stopped.")
     for url in [up.url, *worker_urls]:
-        with pytest.raises(httpx.ConnectError):
+        with pytest.raises(httpx.TransportError):  # refused, or reset by a dying server
             httpx.get(url + "/health", timeout=2.0)
 
 
@@ -69,7 +75,37 @@ def test_first_run_makes_the_tiny_model_in_the_cache(fleet, cache_dir: Path) -> 
     assert (cache_dir / "models" / "tiny-llama" / "config.json").exists()
     assert "making the tiny model" in up.log_tail()
     assert "curl http://127.0.0.1:" in up.log_tail()
-    assert f"dashboard: {up.url}/dashboard" in up.log_tail()
+    log = up.log_tail(60)
+    assert f"dashboard: {up.url}/dashboard" in log
+    assert f"model folder: {cache_dir / 'models' / 'tiny-llama'}" in log  # clients' tokenizer
+    assert "served as 'tiny-llama'" in log and "random weights" in log
+
+
+def test_a_taken_port_is_named_in_one_line_before_anything_starts(tmp_path: Path) -> None:
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        result = subprocess.run(
+            [*KVSERVE_COMMAND, "up", "--port", str(port)],
+            env={**os.environ, "KVSERVE_CACHE_DIR": str(tmp_path)},
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+    assert result.returncode == 1
+    lines = (result.stdout + result.stderr).strip().splitlines()
+    assert len(lines) == 1, lines
+    assert f"127.0.0.1:{port}" in lines[0] and "--port" in lines[0]
+    assert not (tmp_path / "models").exists()  # nothing was made or started
+
+
+def test_help_lists_the_policies() -> None:
+    result = subprocess.run(
+        [*KVSERVE_COMMAND, "up", "--help"], capture_output=True, text=True, timeout=60
+    )
+    for policy in POLICY_NAMES:
+        assert policy in result.stdout
 
 
 def test_cache_aware_sends_a_shared_prefix_to_the_worker_holding_it(fleet) -> None:
@@ -119,16 +155,65 @@ def test_pd_mode_answers_as_mixed_names_both_workers_and_sigterm_stops_it(
         headers = answer.headers
         assert headers["x-kvserve-pd"] == "remote", headers
         data = httpx.get(pd.url + "/dashboard/data", timeout=10).json()
-        assert data["policy"] == "pd"
+        assert data["policy"] == "cache_aware"
         latest = data["decisions"]["recent"][0]
         assert latest["worker"] == headers["x-kvserve-worker"]
         assert latest["prefill_worker"] == headers["x-kvserve-prefill-worker"]
         assert pools[headers["x-kvserve-worker"]] == "decode"
         assert pools[headers["x-kvserve-prefill-worker"]] == "prefill"
-        assert "policy=pd" in headers["x-kvserve-decision"]
+        assert "policy=cache_aware" in headers["x-kvserve-decision"]
         expected = greedy_completion(mixed, prompt).json()["choices"][0]["text"]
         assert answer.json()["choices"][0]["text"] == expected
         stop_and_check(pd, signal.SIGTERM, [worker["url"] for worker in listed])
+    finally:
+        pd.stop()
+
+
+def device_blocks_in_router_index(router_url: str) -> dict[str, float]:
+    return {
+        dict(labels)["worker"]: value
+        for (name, labels), value in samples(router_url + "/metrics").items()
+        if name == "kvserve_router_kv_index_blocks" and ("tier", "device") in labels
+    }
+
+
+def decision_field(response: httpx.Response, field: str) -> str:
+    return response.headers["x-kvserve-decision"].split(f"{field}=")[1].split(";")[0]
+
+
+def test_pd_mode_with_kv_aware_pairs_from_both_pools_kv_events(cache_dir: Path) -> None:
+    pd = start_up(cache_dir, "--prefill", "1", "--decode", "2", "--policy", "kv_aware")
+    try:
+        listed = httpx.get(pd.url + "/workers", timeout=10).json()["workers"]
+        pools = {worker["id"]: worker["pool"] for worker in listed}
+        prompt = " ".join(f"river{i}" for i in range(120))
+        with httpx.Client(base_url=pd.url, timeout=60.0) as client:
+            first = greedy_completion(client, prompt)
+            assert decision_field(first, "policy") == "kv_aware"
+            assert decision_field(first, "reason") == "remote", first.headers
+            prefill, decode = decision_field(first, "prefill"), first.headers["x-kvserve-worker"]
+            assert (pools[prefill], pools[decode]) == ("prefill", "decode")
+            assert first.headers["x-kvserve-pd"] == "remote"
+            # Both workers report the prompt's blocks: the prefill worker computed them,
+            # the decode worker installed them. The router's index learns both.
+            deadline = time.monotonic() + 20
+            while True:
+                held = device_blocks_in_router_index(pd.url)
+                if held.get(prefill, 0) > 0 and held.get(decode, 0) > 0:
+                    break
+                assert time.monotonic() < deadline, held
+                time.sleep(0.05)
+            # The decode worker holding the prompt prefills its repeat locally.
+            again = greedy_completion(client, prompt)
+            assert again.headers["x-kvserve-worker"] == decode
+            assert decision_field(again, "reason") in {"local_cached", "local_short"}
+            assert float(decision_field(again, "matched")) > 0.5
+            assert decision_field(again, "prefill") == "local"
+            # A long continuation goes to the prefill worker, which holds its prefix.
+            longer = greedy_completion(client, prompt + " " + prompt.replace("river", "lake"))
+            assert decision_field(longer, "reason") == "remote"
+            assert decision_field(longer, "prefill") == prefill
+            assert float(decision_field(longer, "matched")) > 0.2
     finally:
         pd.stop()
 
@@ -158,7 +243,7 @@ def test_kv_aware_fleet_hashes_prompts_then_sigkill_of_up_stops_its_children(
             while True:
                 try:
                     httpx.get(url + "/health", timeout=1.0)
-                except httpx.ConnectError:
+                except httpx.TransportError:  # refused, or reset while the server dies
                     break
                 assert time.monotonic() < deadline, f"{url} outlived kvserve up"
                 time.sleep(0.1)

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from PIL import Image
 
 from kvserve.core.cost_model import profile
 from kvserve.core.kv_cache_manager import KVCacheManager
@@ -21,6 +22,7 @@ from kvserve.sim.trace import BLOCK_TOKENS, TraceRequest, load_mooncake
 from kvserve.sim.worker import SimWorker
 
 FIXTURE = Path(__file__).parents[1] / "fixtures" / "mooncake_small.jsonl"
+AZURE = Path(__file__).parents[1] / "fixtures" / "azure_small.csv"
 TINY = profile("tiny")
 
 
@@ -123,11 +125,11 @@ def test_a_prompt_longer_than_the_cache_is_rejected_not_stuck() -> None:
     assert (summary.requests, summary.rejected) == (2, 1)
 
 
-def run_simulate(*args: str) -> subprocess.CompletedProcess[str]:
-    """``kvserve simulate`` on the fixture trace, as a user runs it."""
+def run_simulate(*args: str, trace: Path = FIXTURE) -> subprocess.CompletedProcess[str]:
+    """``kvserve simulate`` on a fixture trace, as a user runs it."""
     command = [sys.executable, "-c", "from kvserve.cli import main; main()", "simulate"]
     return subprocess.run(
-        [*command, "--trace", str(FIXTURE), *args], capture_output=True, text=True, timeout=60
+        [*command, "--trace", str(trace), *args], capture_output=True, text=True, timeout=60
     )
 
 
@@ -147,6 +149,35 @@ def test_cli_writes_table_json_and_plots(tmp_path: Path) -> None:
         "sim_ttft_cdf.png",
         "sim_hit_rate_ttft.png",
     }
+
+
+def test_cli_prints_a_table_with_its_setup_and_explains_its_columns(tmp_path: Path) -> None:
+    completed = run_simulate(
+        "--workers", "2", "--cache-tokens", "100000", "--policy", "round_robin,kv_aware",
+        "--profile", "tiny", "--out", str(tmp_path),
+    )  # fmt: skip
+    assert completed.returncode == 0, completed.stderr
+    text = completed.stdout
+    assert "|---" not in text  # a terminal table, not raw markdown
+    assert "mooncake_small.jsonl (6 requests" in text and "2 workers x 100,000 cache tokens" in text
+    assert "imbalance: the busiest worker's computed tokens / the mean" in text
+    report = (tmp_path / "report.md").read_text()
+    assert "2 workers x 100,000 cache tokens" in report and "- hit rate: prompt tokens" in report
+    for plot in ("sim_ttft_cdf.png", "sim_hit_rate_ttft.png"):
+        with Image.open(tmp_path / plot) as image:
+            assert "trace mooncake_small.jsonl" in image.text["Title"]
+
+
+def test_cli_reads_an_azure_trace_and_says_it_shares_nothing(tmp_path: Path) -> None:
+    completed = run_simulate(
+        "--workers", "2", "--cache-tokens", "100000", "--policy", "round_robin,kv_aware",
+        "--profile", "tiny", "--out", str(tmp_path), trace=AZURE,
+    )  # fmt: skip
+    assert completed.returncode == 0, completed.stderr
+    assert "azure_small.csv has no prefix sharing" in completed.stdout
+    rows = json.loads((tmp_path / "results.json").read_text())
+    assert all(r["requests"] == 5 and r["hit_rate"] == 0.0 for r in rows)
+    assert "no prefix sharing" in (tmp_path / "report.md").read_text()
 
 
 def test_cli_refuses_an_unknown_policy() -> None:

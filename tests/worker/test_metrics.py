@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import json
 import re
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
 
 import httpx
 
 from kvserve.router.local_fleet import ServerProcess
-from tests.worker.worker_process import api
+from tests.worker.worker_process import BLOCK_SIZE, api, start_worker
 
 
 def sample(metrics: str, name: str) -> float:
@@ -45,3 +49,55 @@ def test_metrics_count_requests_tokens_and_cache_hits(worker: ServerProcess) -> 
         "kvserve_num_preemptions_total",
     ):
         assert sample(after, gauge) >= 0
+
+
+def test_prefix_cache_metrics_count_each_request_once_as_its_usage_reports(
+    tiny_model_dir: Path,
+) -> None:
+    """On a pool too small for two requests at once, the second one matches its cached
+    prefix at every step it waits for room; the metrics still count it once, with the
+    cached tokens its usage reports (the numbers the scheduler decided)."""
+    worker = start_worker(tiny_model_dir, "--num-blocks", "10")
+    shared = [300 + i for i in range(3 * BLOCK_SIZE)]
+    # 4 blocks at admission, 7 by its end: all the free pool, the shared 3 stay cached.
+    long_running = [500 + i for i in range(4 * BLOCK_SIZE)]
+    waiting = [*shared, *(700 + i for i in range(2 * BLOCK_SIZE + 8))]  # needs 3 new blocks
+    try:
+        before = httpx.get(f"{worker.url}/metrics").text
+        with api(worker) as client, ThreadPoolExecutor(1) as pool:
+            model = client.get("/v1/models").json()["data"][0]["id"]
+
+            def body(prompt: list[int], max_tokens: int) -> dict[str, Any]:
+                return {"model": model, "prompt": prompt, "max_tokens": max_tokens,
+                        "ignore_eos": True}  # fmt: skip
+
+            def usage(prompt: list[int]) -> dict[str, Any]:
+                response = client.post("/v1/completions", json=body(prompt, 1))
+                assert response.status_code == 200, response.text
+                return response.json()["usage"]
+
+            usages = [usage(shared)]  # publishes the 3 shared blocks
+            streamed = {
+                **body(long_running, 3 * BLOCK_SIZE),
+                "stream": True,
+                "stream_options": {"include_usage": True},
+            }
+            with client.stream("POST", "/v1/completions", json=streamed) as response:
+                events = (line for line in response.iter_lines() if line.startswith("data: {"))
+                first = next(events)  # the long request runs: the next one must wait
+                waiter = pool.submit(usage, waiting)
+                last = [first, *events][-1]
+            usages += [json.loads(last.removeprefix("data: "))["usage"], waiter.result()]
+        after = httpx.get(f"{worker.url}/metrics").text
+    finally:
+        assert worker.stop(timeout_s=30) == 0, worker.log_tail()
+
+    def grew(name: str) -> float:
+        return sample(after, name) - sample(before, name)
+
+    cached = [u["prompt_tokens_details"]["cached_tokens"] for u in usages]
+    assert cached == [0, 0, 3 * BLOCK_SIZE]
+    assert grew("kvserve_prefix_cache_hit_tokens_total") == sum(cached)
+    prompt_tokens = [u["prompt_tokens"] for u in usages]
+    assert prompt_tokens == [len(shared), len(long_running), len(waiting)]
+    assert grew("kvserve_prefix_cache_queried_tokens_total") == sum(prompt_tokens)

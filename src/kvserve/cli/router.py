@@ -46,7 +46,8 @@ def register(app: typer.Typer) -> None:
         policy: Annotated[
             str,
             typer.Option(
-                help="cache_aware | kv_aware | round_robin | random | power_of_two | session"
+                help="cache_aware | kv_aware | round_robin | random | power_of_two | session "
+                "| least_loaded; in PD mode it chooses the pair too (its own pair rule)."
             ),
         ] = "cache_aware",
         tokenizer: Annotated[

@@ -2,24 +2,40 @@
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
+
+if TYPE_CHECKING:
+    from rich.progress import Progress, TaskID
+
+
+def _show_progress(progress: Progress, task: TaskID, completed: int) -> None:
+    progress.update(task, completed=completed)
 
 
 def register(app: typer.Typer) -> None:
     @app.command()
     def simulate(
-        trace: Annotated[Path, typer.Option(help="Mooncake-format JSONL trace.", exists=True)],
+        trace: Annotated[
+            Path,
+            typer.Option(
+                help="Mooncake JSONL trace, or Azure CSV trace (arrivals and lengths only: "
+                "no prefix sharing).",
+                exists=True,
+            ),
+        ],
         workers: Annotated[int, typer.Option(help="Workers in the fleet.")] = 10,
         cache_tokens: Annotated[int, typer.Option(help="KV cache tokens per worker.")] = 3_000_000,
         policy: Annotated[
             str,
             typer.Option(
-                help="Comma-separated: round_robin, random, least_loaded, cache_aware, "
-                "kv_aware, global (one shared cache of workers x cache-tokens: the ceiling)."
+                help="Comma-separated router policies: cache_aware, kv_aware, round_robin, "
+                "random, power_of_two, session, least_loaded; or global (least_loaded over "
+                "one shared cache of workers x cache-tokens: the ceiling)."
             ),
         ] = "round_robin,cache_aware,kv_aware,global",
         profile: Annotated[
@@ -32,7 +48,9 @@ def register(app: typer.Typer) -> None:
         speedup: Annotated[
             float, typer.Option(help="Compress arrival times by this factor (more load).")
         ] = 1.0,
-        seed: Annotated[int, typer.Option(help="Seed of the random policy.")] = 0,
+        seed: Annotated[
+            int, typer.Option(help="Seed of the random and power_of_two policies.")
+        ] = 0,
         as_json: Annotated[bool, typer.Option("--json", help="Print JSON, not a table.")] = False,
         out: Annotated[
             Path | None, typer.Option(help="Write results.json, report.md and plots here.")
@@ -44,11 +62,17 @@ def register(app: typer.Typer) -> None:
 
         from kvserve.core.cost_model import profile as cost_profile
         from kvserve.core.routing.kv_aware import KvAwareConfig
+        from kvserve.sim.report import (
+            COLUMN_NOTES,
+            markdown_table,
+            rich_table,
+            summarize,
+            write_plots,
+        )
         from kvserve.sim.report import as_json as summaries_json
-        from kvserve.sim.report import markdown_table, summarize, write_plots
         from kvserve.sim.simulator import POLICIES, SimConfig
         from kvserve.sim.simulator import simulate as run_simulation
-        from kvserve.sim.trace import load_mooncake
+        from kvserve.sim.trace import load_trace
 
         names = [p.strip() for p in policy.split(",") if p.strip()]
         unknown = [p for p in names if p not in POLICIES]
@@ -64,33 +88,43 @@ def register(app: typer.Typer) -> None:
                 seed=seed,
                 kv_aware=KvAwareConfig.from_cost_model(cost),
             )
-            requests = load_mooncake(trace, limit=limit, speedup=speedup)
+            loaded = load_trace(trace, limit=limit, speedup=speedup)
         except ValueError as error:
             raise typer.BadParameter(str(error)) from error
+        setup = (
+            f"trace {loaded.name} ({len(loaded.requests)} requests, arrivals x{1 / speedup:g}), "
+            f"{workers} workers x {cache_tokens:,} cache tokens, profile {profile}"
+        )
         console = Console(stderr=True)
         results = []
         with Progress(console=console, transient=True) as progress:
             for name in names:
-                task = progress.add_task(name, total=len(requests))
+                task = progress.add_task(name, total=len(loaded.requests))
                 results.append(
                     run_simulation(
-                        requests, name, config, lambda n, t=task: progress.update(t, completed=n)
+                        loaded.requests,
+                        name,
+                        config,
+                        functools.partial(_show_progress, progress, task),
                     )
                 )
         summaries = [summarize(r) for r in results]
-        table = markdown_table(summaries)
+        notes = list(COLUMN_NOTES)
+        if not loaded.shares_prefixes:
+            notes.insert(0, f"{loaded.name} has no prefix sharing: every hit rate is 0 by design")
         if as_json:
             typer.echo(json.dumps(summaries_json(summaries), indent=2))
         else:
-            typer.echo(table)
+            typer.echo(setup)
+            Console().print(rich_table(summaries, "kvserve simulate"))
+            for note in notes:
+                typer.echo(f"  {note}")
         if out is not None:
             out.mkdir(parents=True, exist_ok=True)
             (out / "results.json").write_text(json.dumps(summaries_json(summaries), indent=2))
-            plots = write_plots(results, out)
-            header = (
-                f"trace {trace.name}: {len(requests)} requests, {workers} workers x "
-                f"{cache_tokens} cache tokens, profile {profile}\n\n"
-            )
+            plots = write_plots(results, out, setup)
+            explained = "".join(f"- {note}\n" for note in notes)
             images = "".join(f"\n![{p.stem}]({p.name})\n" for p in plots)
-            (out / "report.md").write_text(header + table + "\n" + images)
+            page = f"# kvserve simulate\n\n{setup}\n\n{markdown_table(summaries)}\n\n{explained}"
+            (out / "report.md").write_text(page + images)
             console.print(f"wrote {out}/results.json, report.md and {len(plots)} plots")

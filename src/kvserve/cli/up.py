@@ -16,6 +16,8 @@ from typing import Annotated
 
 import typer
 
+from kvserve.core.routing.policies import POLICY_NAMES
+
 TINY_MODEL_NAME = "tiny-llama"
 
 
@@ -60,7 +62,12 @@ def register(app: typer.Typer) -> None:
             Path | None,
             typer.Option(help="Hugging Face model folder (default: the tiny model).", exists=True),
         ] = None,
-        policy: Annotated[str, typer.Option(help="Router policy.")] = "cache_aware",
+        policy: Annotated[
+            str,
+            typer.Option(
+                help=f"Router policy (in PD mode it selects the pair): {', '.join(POLICY_NAMES)}."
+            ),
+        ] = "cache_aware",
         host: Annotated[str, typer.Option(help="Router address.")] = "127.0.0.1",
         port: Annotated[int, typer.Option(help="Router port.")] = 8000,
         start_timeout: Annotated[float, typer.Option(help="Seconds to wait for health.")] = 180,
@@ -70,13 +77,20 @@ def register(app: typer.Typer) -> None:
         ] = 0,
     ) -> None:
         """Start workers and a router on this machine; Ctrl-C stops everything."""
-        from kvserve.router.config import POLICY_NAMES
-        from kvserve.router.local_fleet import LocalFleet, StartError
+        from kvserve.router.local_fleet import LocalFleet, StartError, port_taken
 
         if policy not in POLICY_NAMES:
             raise typer.BadParameter(
                 f"choose one of {', '.join(POLICY_NAMES)}", param_hint="--policy"
             )
+        taken = port_taken(host, port)
+        if taken is not None:
+            typer.echo(
+                f"cannot serve on {host}:{port} ({taken}): another server holds it; "
+                "choose another with --port N",
+                err=True,
+            )
+            raise typer.Exit(1)
         model_dir = model.resolve() if model else tiny_model_dir()
         log_dir = Path(tempfile.mkdtemp(prefix="kvserve-up-"))
         if prefill and not decode:
@@ -97,7 +111,13 @@ def register(app: typer.Typer) -> None:
             workers = prefill + decode
         for signum in (signal.SIGINT, signal.SIGTERM):  # SIGINT too: `&` in a script ignores it
             signal.signal(signum, _raise_keyboard_interrupt)
-        typer.echo(f"starting {workers} worker(s) on {model_dir.name} (logs: {log_dir}) ...")
+        typer.echo(f"model folder: {model_dir} (clients' tokenizer; served as {model_dir.name!r})")
+        if model is None:
+            typer.echo(
+                "the tiny model has random weights: its replies are gibberish by design; "
+                "pass --model FOLDER for a real model"
+            )
+        typer.echo(f"starting {workers} worker(s) (logs: {log_dir}) ...")
         try:
             fleet.start(start_timeout)
             typer.echo(

@@ -8,8 +8,6 @@ from typing import Annotated
 
 import typer
 
-from kvserve.engine.storage.base import DEFAULT_FILE_STORAGE_BYTES
-
 
 def register(app: typer.Typer) -> None:
     @app.command()
@@ -64,8 +62,9 @@ def register(app: typer.Typer) -> None:
             typer.Option(help="Shared KV storage tier: file:DIR | redis://host:port."),
         ] = None,
         kv_storage_max_bytes: Annotated[
-            int, typer.Option(help="Size bound of a file: storage directory.")
-        ] = DEFAULT_FILE_STORAGE_BYTES,
+            int | None,
+            typer.Option(help="Size bound of a file: storage directory (default: 8 GiB)."),
+        ] = None,
         storage_write_policy: Annotated[
             str, typer.Option(help="Blocks written to storage: write_through | hit_count:K.")
         ] = "write_through",
@@ -73,6 +72,11 @@ def register(app: typer.Typer) -> None:
         """Serve one engine: OpenAI API, /health, /load, /metrics, KV events."""
         from kvserve.core.routing.pd_pair import PDConfig
         from kvserve.engine.kv_tier_config import KVTierConfig
+        from kvserve.engine.storage.base import (
+            DEFAULT_FILE_STORAGE_BYTES,
+            is_storage_url,
+            storage_usage,
+        )
         from kvserve.worker.config import WorkerConfig
         from kvserve.worker.server import serve
 
@@ -93,13 +97,17 @@ def register(app: typer.Typer) -> None:
                 host_blocks=host_cache_blocks,
                 host_memory=host_cache_memory,
                 storage=kv_storage,
-                storage_max_bytes=kv_storage_max_bytes,
+                storage_max_bytes=(
+                    DEFAULT_FILE_STORAGE_BYTES
+                    if kv_storage_max_bytes is None
+                    else kv_storage_max_bytes
+                ),
                 write_policy=storage_write_policy,
             )
         except ValueError as error:
             raise typer.BadParameter(str(error)) from error
-        if kv_storage is not None and not kv_storage.startswith(("file:", "redis://")):
-            raise typer.BadParameter("use file:DIR or redis://host:port", param_hint="--kv-storage")
+        if kv_storage is not None and not is_storage_url(kv_storage):
+            raise typer.BadParameter(f"use {storage_usage()}", param_hint="--kv-storage")
         logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(message)s")
         serve(
             WorkerConfig(

@@ -37,17 +37,12 @@ class CacheStats:
     """Exact, cumulative counters (no windows: a reader takes differences itself).
 
     ``evictions`` counts cached blocks removed for any reason: memory pressure, an
-    explicit eviction or a clear.
+    explicit eviction or a clear. Hits are not counted here: a match only pins, and the
+    same request may match several times (an admission retried, a preempted request
+    resuming); the scheduler counts each request's cached tokens once.
     """
 
-    queries: int = 0
-    queried_tokens: int = 0
-    hit_tokens: int = 0
     evictions: int = 0
-
-    @property
-    def hit_rate(self) -> float:
-        return self.hit_tokens / self.queried_tokens if self.queried_tokens else 0.0
 
 
 class BlockLedger:
@@ -170,24 +165,9 @@ class BlockLedger:
 
     # ---------------------------------------------------------------- cached blocks
 
-    def match(self, hashes: Sequence[int], num_query_tokens: int | None = None) -> list[int]:
-        """Pin the longest cached prefix of ``hashes`` and count the query.
-
-        ``num_query_tokens`` is the query's length in tokens (default: the full blocks
-        given); the hit is the matched blocks' tokens.
-        """
-        if num_query_tokens is None:
-            num_query_tokens = len(hashes) * self.block_size
-        elif len(hashes) * self.block_size > num_query_tokens:
-            raise ValueError(
-                f"{len(hashes)} full blocks do not fit in a query of {num_query_tokens} tokens"
-            )
-        blocks = self._tree.match(hashes)
-        stats = self.stats
-        stats.queries += 1
-        stats.queried_tokens += num_query_tokens
-        stats.hit_tokens += len(blocks) * self.block_size
-        return blocks
+    def match(self, hashes: Sequence[int]) -> list[int]:
+        """Pin the longest cached prefix of ``hashes`` (nothing is counted)."""
+        return self._tree.match(hashes)
 
     def insert(
         self, hashes: Sequence[int], blocks: Sequence[int], parent_hash: int | None = None
@@ -312,6 +292,4 @@ class BlockLedger:
         assert all(state[block] == CACHED for block in cached), "a tree block is not cached"
         assert state.count(CACHED) == len(cached), "a cached block is missing from the tree"
         self._tree.check()
-        stats = self.stats
-        assert 0 <= stats.hit_tokens <= stats.queried_tokens, "hit tokens exceed queried"
-        assert stats.queries >= 0 and stats.evictions >= 0, "negative counter"
+        assert self.stats.evictions >= 0, "negative counter"

@@ -86,19 +86,20 @@ class KVCacheManager:
 
     # ---------------------------------------------------------------- requests
 
-    def match_prefix(self, request_id: str, hashes: Sequence[int], num_query_tokens: int) -> int:
+    def match_prefix(self, request_id: str, hashes: Sequence[int]) -> int:
         """Pin the longest cached prefix of ``hashes`` as the start of the request's table.
 
         Returns the number of matched blocks. A request that owns no blocks may match
         again (a scheduler retrying admission): its previous pins are released first. One
-        that owns blocks must be freed before it matches again.
+        that owns blocks must be freed before it matches again. Nothing is counted: the
+        scheduler counts a request's cached tokens once, however often it matches.
         """
         previous = self._requests.get(request_id)
         if previous is not None and previous.owned_blocks():
             raise RequestStateError(
                 f"request {request_id!r} owns blocks: free it before matching again"
             )
-        blocks = self._ledger.match(hashes, num_query_tokens)
+        blocks = self._ledger.match(hashes)
         if previous is not None:
             self.free_request(request_id)
         self._requests[request_id] = _RequestBlocks(table=blocks, pinned=blocks.copy())
@@ -157,8 +158,8 @@ class KVCacheManager:
         ledger.free(request.owned_blocks())
 
     def lookup_prefix(self, hashes: Sequence[int]) -> list[int]:
-        """The blocks of the longest cached prefix of ``hashes``, neither pinned nor
-        counted: valid only until the next allocation may evict them."""
+        """The blocks of the longest cached prefix of ``hashes``, not pinned: valid only
+        until the next allocation may evict them."""
         return self._ledger.lookup(hashes)
 
     # ---------------------------------------------------------------- whole cache

@@ -14,10 +14,10 @@ from __future__ import annotations
 
 import bisect
 import math
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kvserve.core.kv_cache_manager import KVCacheManager
+from kvserve.core.kv_connector import SchedulerConnector
 from kvserve.core.request import Request, RequestStatus
 
 
@@ -63,7 +63,10 @@ class SchedulerOutput:
 
 @dataclass(slots=True)
 class PrefixCacheStats:
-    """Prompt tokens served from cache, counted once per request at first admission."""
+    """Prompt tokens served from the prefix cache: the only count of it (the worker
+    exports it as ``kvserve_prefix_cache_*``), taken once per request when it is first
+    admitted; a retried admission or a preempted request's return matches again but
+    does not count again."""
 
     num_requests: int = 0
     prompt_tokens: int = 0
@@ -89,7 +92,12 @@ def _by_arrival(request: Request) -> int:
 
 
 class Scheduler:
-    def __init__(self, kv_cache: KVCacheManager, config: SchedulerConfig | None = None) -> None:
+    def __init__(
+        self,
+        kv_cache: KVCacheManager,
+        config: SchedulerConfig | None = None,
+        connector: SchedulerConnector | None = None,
+    ) -> None:
         self.kv_cache = kv_cache
         self.config = config or SchedulerConfig()
         self.block_size = kv_cache.block_size
@@ -101,12 +109,8 @@ class Scheduler:
         self._requests: dict[str, Request] = {}
         self._next_arrival = 0
         self.stats = PrefixCacheStats()
-        # Asked before admitting a waiting request; False: its KV is still being loaded
-        # from a lower tier (the engine's KV tiers), so it waits and later ones may go.
-        self.admission_gate: Callable[[Request], bool] | None = None
-        # Told of a request about to be preempted, while its blocks still hold its KV (so
-        # the KV tiers can save it before eviction may reuse them).
-        self.on_preempt: Callable[[Request], None] | None = None
+        # KV tiers, PD: asked before an admission, told of arrivals, preemptions and ends.
+        self._connector = connector
 
     # -- requests in and out -------------------------------------------------------
 
@@ -117,6 +121,8 @@ class Scheduler:
         self._next_arrival += 1
         self._requests[request.request_id] = request
         self.waiting.append(request)
+        if self._connector is not None:
+            self._connector.request_added(request)
 
     def finish(self, request: Request, reason: str) -> None:
         """Leave the batch and give every block back (cached ones stay in the tree)."""
@@ -130,6 +136,8 @@ class Scheduler:
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
         del self._requests[request.request_id]
+        if self._connector is not None:
+            self._connector.request_finished(request)
 
     def abort(self, request_id: str) -> Request | None:
         request = self._requests.get(request_id)
@@ -151,7 +159,8 @@ class Scheduler:
         plan = _StepPlan(budget=self.config.max_num_batched_tokens)
         # Decodes first, each part in arrival order (``running`` already is): a stable
         # partition, with no sort.
-        decoding, prefilling = [], []
+        decoding: list[Request] = []
+        prefilling: list[Request] = []
         for request in self.running:
             (decoding if request.is_decoding else prefilling).append(request)
         for request in decoding + prefilling:
@@ -182,8 +191,8 @@ class Scheduler:
         if chunk is not None:
             plan.budget += chunk.num_tokens
         self.running.remove(victim)
-        if self.on_preempt is not None:
-            self.on_preempt(victim)
+        if self._connector is not None:
+            self._connector.before_preempt(victim)
         self.kv_cache.free_request(victim.request_id)
         victim.status = RequestStatus.WAITING
         victim.num_computed_tokens = 0
@@ -194,7 +203,7 @@ class Scheduler:
 
     def _admit_waiting(self, plan: _StepPlan) -> None:
         capacity = self.kv_cache.num_blocks * self.block_size
-        gate = self.admission_gate
+        connector = self._connector
         index = 0  # waiting requests before it are still loading their KV: they wait
         while (
             index < len(self.waiting)
@@ -206,7 +215,7 @@ class Scheduler:
                 self.waiting.pop(index)
                 self._reject(request, plan)
                 continue
-            if gate is not None and not gate(request):
+            if connector is not None and not connector.may_admit(request):
                 index += 1
                 continue
             if not self._try_admit(request, plan):
@@ -221,18 +230,18 @@ class Scheduler:
         request.finish_reason = "length"
         del self._requests[request.request_id]
         plan.rejected.append(request)
+        if self._connector is not None:
+            self._connector.request_finished(request)
 
     def _try_admit(self, request: Request, plan: _StepPlan) -> bool:
         """Match the cached prefix and allocate the first chunk, or change nothing."""
         reserve = self.watermark_blocks if self.running else 0
         if self.kv_cache.num_available_blocks - 1 < reserve:
-            # Even a full match leaves one block to allocate: skip the lookup, which
-            # would count as a cache query in the cache's statistics.
+            # Even a full match leaves one block to allocate: skip pinning the prefix
+            # only to release it.
             return False
         request_id = request.request_id
-        matched = self.kv_cache.match_prefix(
-            request_id, request.reusable_block_hashes(), request.num_tokens
-        )
+        matched = self.kv_cache.match_prefix(request_id, request.reusable_block_hashes())
         num_cached = matched * self.block_size
         num_new = min(request.num_tokens - num_cached, plan.budget)
         new_blocks = -(-(num_cached + num_new) // self.block_size) - matched

@@ -23,8 +23,8 @@ from pathlib import Path
 import torch
 
 from kvserve.core.cost_model import CostModel
-from kvserve.engine.model_config import ModelConfig
 from kvserve.engine.model_runner import SequenceBatchItem
+from kvserve.model_folder.config import ModelConfig
 
 _UNLIKELY = -1e4  # logit of every token but the filler: exp() underflows to 0
 

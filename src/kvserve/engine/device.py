@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import torch
 
-from kvserve.engine.model_config import ModelConfig, ModelLoadError
+from kvserve.model_folder.config import ModelConfig
+from kvserve.model_folder.errors import ModelLoadError
 
 _DTYPES = {
     "float32": torch.float32,

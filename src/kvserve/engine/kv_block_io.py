@@ -137,7 +137,8 @@ def to_bytes(blocks: torch.Tensor) -> bytes:
 def payload_view(blocks: torch.Tensor) -> memoryview:
     """The same bytes as :func:`to_bytes` without a copy (valid while ``blocks`` lives),
     for writing straight to a socket or file."""
-    return memoryview(blocks.contiguous().view(torch.uint8).numpy()).cast("B")
+    array: Any = blocks.contiguous().view(torch.uint8).numpy()  # numpy arrays are buffers
+    return memoryview(array).cast("B")
 
 
 def from_bytes(layout: KVBlockLayout, data: bytes | bytearray | memoryview) -> torch.Tensor:

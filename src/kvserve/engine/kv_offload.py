@@ -20,6 +20,7 @@ import queue
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Generic, TypeVar
 
 import torch
 
@@ -30,6 +31,8 @@ from kvserve.engine.storage.block_codec import CorruptBlock, decode, encode
 logger = logging.getLogger(__name__)
 
 _JOIN_TIMEOUT_S = 5.0
+
+Job = TypeVar("Job")
 
 
 class FaultLog:
@@ -58,16 +61,16 @@ class FaultLog:
             return dict(self.counts)
 
 
-class _JobThread:
+class _JobThread(Generic[Job]):
     """A daemon thread running ``handle`` on each submitted job, in order."""
 
-    def __init__(self, name: str, handle: Callable[[object], None]) -> None:
-        self._jobs: queue.SimpleQueue[object] = queue.SimpleQueue()
+    def __init__(self, name: str, handle: Callable[[Job], None]) -> None:
+        self._jobs: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
         self._handle = handle
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
-    def _submit(self, job: object) -> None:
+    def _submit(self, job: Job) -> None:
         self._jobs.put(job)
 
     def _run(self) -> None:
@@ -95,7 +98,7 @@ class WriteDone:
     evicted: list[int] = field(default_factory=list)  # keys dropped to make room
 
 
-class StorageWriter(_JobThread):
+class StorageWriter(_JobThread[WriteJob]):
     """Writes blocks in the background; at most ``max_pending_blocks`` wait at a time."""
 
     def __init__(
@@ -111,7 +114,7 @@ class StorageWriter(_JobThread):
         self.dropped_blocks = 0
         self.failed_blocks = 0
         self.done: queue.SimpleQueue[WriteDone] = queue.SimpleQueue()
-        super().__init__("kvserve-kv-writer", self._write)  # type: ignore[arg-type]
+        super().__init__("kvserve-kv-writer", self._write)
 
     def submit(self, job: WriteJob) -> bool:
         """Queue ``job``; False (dropped, counted) if the queue is full."""
@@ -159,7 +162,7 @@ class LoadResult:
     hashes: tuple[int, ...] = field(repr=False)
 
 
-class StorageLoader(_JobThread):
+class StorageLoader(_JobThread[LoadJob]):
     """Finds and reads the longest stored prefix of each job's chain in the background."""
 
     def __init__(self, storage: KVStorage, layout: KVBlockLayout, faults: FaultLog) -> None:
@@ -167,7 +170,7 @@ class StorageLoader(_JobThread):
         self._layout = layout
         self._faults = faults
         self._results: queue.Queue[LoadResult] = queue.Queue()
-        super().__init__("kvserve-kv-loader", self._load)  # type: ignore[arg-type]
+        super().__init__("kvserve-kv-loader", self._load)
 
     def submit(self, job: LoadJob) -> None:
         self._submit(job)

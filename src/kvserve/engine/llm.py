@@ -17,11 +17,11 @@ from pathlib import Path
 from typing import Any, TypeGuard, cast
 
 from kvserve.core.sampling_params import SamplingParams
-from kvserve.engine.chat_template import ChatTemplateError
 from kvserve.engine.errors import InvalidRequestError
 from kvserve.engine.llm_engine import LLMEngine
 from kvserve.engine.outputs import GenerationResult
-from kvserve.engine.tokenizer import Tokenizer
+from kvserve.model_folder.chat_template import ChatTemplateError
+from kvserve.model_folder.tokenizer import Tokenizer
 
 Prompt = str | list[int]
 Conversation = list[dict[str, Any]]

@@ -4,16 +4,20 @@ Each :meth:`LLMEngine.step` asks the scheduler what to compute, runs it in one f
 samples a token for every sequence whose pending tokens are all computed, applies the
 stop rules, and returns per-request deltas. Callers (the worker's engine thread, the
 offline :class:`~kvserve.engine.llm.LLM`) drive it; it starts no thread of its own.
+KV tiers and prefill/decode disaggregation are KV connectors
+(:mod:`kvserve.engine.kv_connector`) handed to it at construction.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from kvserve.core.hashing import make_namespace
 from kvserve.core.kv_cache_manager import KVCacheManager
+from kvserve.core.kv_connector import SchedulerConnectors
 from kvserve.core.kv_events import EventLog
 from kvserve.core.request import Request
 from kvserve.core.sampling_params import InvalidParameterError, SamplingParams
@@ -23,15 +27,23 @@ from kvserve.engine.cost_model_runner import CostModelRunner
 from kvserve.engine.device import pick_device, pick_dtype
 from kvserve.engine.errors import InvalidRequestError
 from kvserve.engine.kv_block_io import KVBlockLayout
-from kvserve.engine.kv_tier_config import KVTierConfig
-from kvserve.engine.kv_tiers import KVTiers
-from kvserve.engine.model_config import ModelConfig
+from kvserve.engine.kv_connector import (
+    ConnectorContext,
+    ConnectorFactory,
+    KVConnector,
+    QueueView,
+    TierBlocks,
+)
+from kvserve.engine.kv_pool import KVPool
 from kvserve.engine.model_runner import ModelRunner, SequenceBatchItem
 from kvserve.engine.outputs import RequestOutput
 from kvserve.engine.sampler import Sampler, SamplingRow, seeded_generator
-from kvserve.engine.tokenizer import IncrementalDetokenizer, Tokenizer
+from kvserve.model_folder.config import ModelConfig
+from kvserve.model_folder.tokenizer import IncrementalDetokenizer, Tokenizer
 
 DEFAULT_KV_CACHE_MEMORY = 1 << 30
+
+C = TypeVar("C", bound=KVConnector)
 
 
 @dataclass(slots=True)
@@ -55,6 +67,21 @@ class _Generation:
         return delta
 
 
+def _build_connectors(
+    factories: Sequence[ConnectorFactory], context: ConnectorContext
+) -> tuple[KVConnector, ...]:
+    """Every connector, or none: if one cannot be built, those built before are closed."""
+    built: list[KVConnector] = []
+    try:
+        for make in factories:
+            built.append(make(context))
+    except BaseException:
+        for connector in built:
+            connector.close()
+        raise
+    return tuple(built)
+
+
 class LLMEngine:
     def __init__(
         self,
@@ -69,7 +96,7 @@ class LLMEngine:
         model_name: str | None = None,
         seed: int | None = None,
         runner: CostModelRunner | None = None,  # stands in for the model (no weights)
-        kv_tiers: KVTierConfig | None = None,  # host memory and storage below the device
+        connectors: Sequence[ConnectorFactory] = (),  # KV tiers, PD export or import
         stream_text: bool = True,  # False: text only in a request's last output
     ) -> None:
         config = ModelConfig.from_dir(model_dir)
@@ -79,32 +106,40 @@ class LLMEngine:
             num_blocks = ModelRunner.blocks_for_memory(config, block_size, memory, dtype)
         if num_blocks < 1:
             raise ValueError(f"the KV cache needs at least one block, got {num_blocks}")
-        self.runner = runner or ModelRunner(
-            model_dir, num_blocks=num_blocks, block_size=block_size, device=device
-        )
-        self.tokenizer = Tokenizer(model_dir)
         self.model_name = model_name or Path(model_dir).name
+        kv_pool: KVPool | None = None
+        layout: KVBlockLayout | None = None
+        self.runner: ModelRunner | CostModelRunner
+        if runner is None:
+            model_runner = ModelRunner(
+                model_dir, num_blocks=num_blocks, block_size=block_size, device=device
+            )
+            kv_pool = model_runner.kv_pool
+            layout = KVBlockLayout.of_runner(model_runner, self.model_name)
+            self.runner = model_runner
+        else:
+            self.runner = runner
+        self.tokenizer = Tokenizer(model_dir)
         self.namespace = make_namespace(self.model_name)
         # A sequence longer than the pool could never run, even alone.
         self.max_model_len = min(config.max_position_embeddings, num_blocks * block_size)
         self.eos_token_ids = self.tokenizer.eos_token_ids | set(config.eos_token_ids)
         self.events = EventLog()
         self.kv_cache = KVCacheManager(num_blocks, block_size, events=self.events)
+        context = ConnectorContext(
+            self.kv_cache, self.events, self.namespace, self.max_model_len, kv_pool, layout
+        )
+        self.connectors = _build_connectors(connectors, context)
         self.scheduler = Scheduler(
-            self.kv_cache, SchedulerConfig(max_num_batched_tokens, max_num_seqs)
+            self.kv_cache,
+            SchedulerConfig(max_num_batched_tokens, max_num_seqs),
+            SchedulerConnectors(self.connectors) if self.connectors else None,
         )
         self.sampler = Sampler(self.runner.device, seed)
         # Offline callers read only the final text: detokenizing once per request instead
         # of once per token saves two tokenizer calls per token (stop strings still need
         # the text every step).
         self._stream_text = stream_text
-        self.tiers: KVTiers | None = None
-        if kv_tiers is not None and kv_tiers.enabled:
-            if runner is not None:
-                raise ValueError("KV tiers need the model runner's KV pool")
-            layout = KVBlockLayout.of_runner(self.runner, self.model_name)
-            pool = self.runner.kv_pool
-            self.tiers = KVTiers(self.scheduler, pool, layout, self.events, kv_tiers)
         self._generations: dict[str, _Generation] = {}
 
     # -- requests ------------------------------------------------------------------
@@ -122,7 +157,7 @@ class LLMEngine:
             raise InvalidRequestError(
                 "stop_token_ids", f"stop_token_ids must be below the vocabulary size {vocab_size}"
             )
-        token_ids = self._prompt_token_ids(prompt)
+        token_ids = self.prompt_token_ids(prompt)
         room = self.max_model_len - len(token_ids)
         if room < 1:
             raise InvalidRequestError(
@@ -150,7 +185,8 @@ class LLMEngine:
             stop_holdback(params.stop),
         )
 
-    def _prompt_token_ids(self, prompt: str | list[int]) -> list[int]:
+    def prompt_token_ids(self, prompt: str | list[int]) -> list[int]:
+        """The prompt's token ids, or :class:`InvalidRequestError` (empty, out of vocabulary)."""
         token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         if not token_ids:
             raise InvalidRequestError("prompt", "the prompt is empty")
@@ -166,8 +202,6 @@ class LLMEngine:
         """Drop the request and free its blocks now; unknown or finished ids are ignored."""
         self.scheduler.abort(request_id)
         self._generations.pop(request_id, None)
-        if self.tiers is not None:
-            self.tiers.forget(request_id)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
@@ -184,23 +218,65 @@ class LLMEngine:
             "preemptions": self.scheduler.stats.preemptions,
         }
 
+    # -- connectors ----------------------------------------------------------------
+
+    def connector(self, kind: type[C]) -> C:
+        """The connector of type ``kind`` this engine was built with (``LookupError``)."""
+        for connector in self.connectors:
+            if isinstance(connector, kind):
+                return connector
+        raise LookupError(f"this engine has no {kind.__name__}")
+
+    def connector_metrics(self) -> dict[str, int]:
+        return {name: value for c in self.connectors for name, value in c.metrics().items()}
+
+    def connector_snapshot(self) -> dict[str, TierBlocks]:
+        """The tiers below the device, as the connectors' events describe them."""
+        return {tier: blocks for c in self.connectors for tier, blocks in c.snapshot().items()}
+
+    def check(self) -> None:
+        """The KV cache's invariants and every connector's."""
+        self.kv_cache.check()
+        for connector in self.connectors:
+            connector.check()
+
+    def close(self) -> None:
+        """Stop the connectors' threads (queued storage writes finish first, briefly)."""
+        for connector in self.connectors:
+            connector.close()
+
     # -- one step ------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        tiers = self.tiers
-        if tiers is not None:
-            tiers.before_step()
+        try:
+            outputs, dropped = self._step()
+        except Exception as exc:
+            for request_id in [r for c in self.connectors for r in c.step_failed(exc)]:
+                self.abort_request(request_id)
+            raise
+        if dropped:
+            outputs = [o for o in outputs if o.request_id not in dropped]
+            for request_id in dropped:
+                self.abort_request(request_id)
+        return outputs
+
+    def _step(self) -> tuple[list[RequestOutput], set[str]]:
+        """The step's outputs, and the requests connectors are done with."""
+        connectors = self.connectors
+        if connectors:
+            queues = QueueView(self.scheduler.running, self.scheduler.waiting)
+            for connector in connectors:
+                connector.before_step(queues)
         plan = self.scheduler.schedule()
         outputs = [self._finish(r, r.finish_reason or "length") for r in plan.finished_before_run]
         if not plan.chunks:
-            return outputs
+            return outputs, set()
         logits = self.runner.forward([self._batch_item(chunk) for chunk in plan.chunks])
         self.scheduler.advance(plan)
-        if tiers is not None:
-            tiers.after_advance(plan)
+        dropped = {r for c in connectors for r in c.after_step(plan)}
         rows = [i for i, chunk in enumerate(plan.chunks) if chunk.completes_sequence]
         if not rows:
-            return outputs
+            return outputs, dropped
         generations = [self._generations[plan.chunks[i].request.request_id] for i in rows]
         tokens = self.sampler.sample(
             logits if len(rows) == len(plan.chunks) else logits[rows],
@@ -208,7 +284,7 @@ class LLMEngine:
         )
         for generation, token in zip(generations, tokens, strict=True):
             outputs.append(self._append_token(generation, token))
-        return outputs
+        return outputs, dropped
 
     def _batch_item(self, chunk: ScheduledChunk) -> SequenceBatchItem:
         request = chunk.request

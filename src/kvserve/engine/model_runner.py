@@ -18,9 +18,9 @@ from kvserve.engine.attention import SequenceSpan, StepLayout, long_tensor
 from kvserve.engine.decode_rows import DecodeRows
 from kvserve.engine.device import pick_device, pick_dtype
 from kvserve.engine.kv_pool import KVPool
-from kvserve.engine.model_config import ModelConfig
 from kvserve.engine.models import MODEL_CLASSES
 from kvserve.engine.weights import CheckpointTensors
+from kvserve.model_folder.config import ModelConfig
 
 
 @dataclass

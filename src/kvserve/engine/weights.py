@@ -7,7 +7,8 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
-from kvserve.engine.model_config import ModelLoadError, read_json
+from kvserve.model_folder.config import read_json
+from kvserve.model_folder.errors import ModelLoadError
 
 _INDEX_NAME = "model.safetensors.index.json"
 

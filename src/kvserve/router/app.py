@@ -14,7 +14,8 @@ import aiohttp
 import orjson
 from aiohttp import web
 
-from kvserve.core.routing.pd_pair import PDConfig
+from kvserve.core.routing.kv_index import TIERS
+from kvserve.core.routing.policies.kv_aware import KvAwarePolicy
 from kvserve.router.access import bearer_matches, control_plane_refusal, unauthorized
 from kvserve.router.config import RouterConfig
 from kvserve.router.dashboard.data import dashboard_data
@@ -22,11 +23,11 @@ from kvserve.router.dashboard.routes import DashboardRoutes
 from kvserve.router.dashboard.sampler import FleetSampler
 from kvserve.router.errors import openai_error
 from kvserve.router.health import HealthChecker
+from kvserve.router.kv_event_subscriber import KVEventSubscriber
 from kvserve.router.load_guard import LoadTracker
 from kvserve.router.metrics import RouterMetrics
 from kvserve.router.pd_proxy import PDProxy
-from kvserve.router.policies import make_policy
-from kvserve.router.policies.kv_aware import KvAwarePolicy
+from kvserve.router.prompt_preparer import PromptPreparer
 from kvserve.router.proxy import Proxy
 from kvserve.router.worker_registry import Worker, WorkerRegistry
 
@@ -52,7 +53,11 @@ class Router:
         for pool, urls in (("prefill", config.prefill_urls), ("decode", config.decode_urls)):
             for url in urls:
                 self.registry.add(url, pool)
-        self.policy = make_policy(config, time.monotonic())
+        self.policy = config.make_policy(time.monotonic())
+        self.preparer = (
+            PromptPreparer(config.tokenizer) if self.policy.reads_prompt_blocks else None
+        )
+        self.subscriber: KVEventSubscriber | None = None
         self._admin_key = config.admin_api_key or config.api_key
         self._session: aiohttp.ClientSession | None = None
         self._proxy: Proxy | None = None
@@ -66,17 +71,24 @@ class Router:
             self._session = session
             proxy_args = (self.config, self.registry, self.tracker, self.policy, self.metrics)
             if self.config.pd_mode:
-                self._proxy = PDProxy(*proxy_args, session, pd_config=PDConfig())
+                self._proxy = PDProxy(
+                    *proxy_args, session, preparer=self.preparer, pd_config=self.config.pd
+                )
             else:
-                self._proxy = Proxy(*proxy_args, session)
+                self._proxy = Proxy(*proxy_args, session, preparer=self.preparer)
             self._health = HealthChecker(self.registry, self.config.health, self.metrics, session)
             await self._health.probe_all()
             self._sampler = FleetSampler(self.registry, self.metrics, session)
             tasks = [asyncio.create_task(self._health.run_forever())]
             tasks.append(asyncio.create_task(self._sampler.run_forever()))
-            if isinstance(self.policy, KvAwarePolicy):  # it follows the workers' KV events
-                subscriber = self.policy.subscribe(self.registry, session)
-                tasks.append(asyncio.create_task(subscriber.run_forever()))
+            if self.policy.observes_kv_events:  # every worker's stream, of every pool
+                self.subscriber = KVEventSubscriber(
+                    self.policy,
+                    self.registry,
+                    session,
+                    on_worker_info=self.preparer.learn_worker if self.preparer else None,
+                )
+                tasks.append(asyncio.create_task(self.subscriber.run_forever()))
             if isinstance(self._proxy, PDProxy):  # decode headroom for the pair choice
                 tasks.append(asyncio.create_task(self._proxy.poll_decode_loads_forever()))
             yield
@@ -146,12 +158,19 @@ class Router:
         )
 
     async def prometheus(self, _request: web.Request) -> web.Response:
+        if isinstance(self.policy, KvAwarePolicy):
+            index = self.policy.routing.index
+            for worker in self.registry.all():
+                for tier in TIERS:
+                    blocks = index.num_blocks(worker.worker_id, tier)
+                    self.metrics.kv_index_blocks.labels(worker.worker_id, tier).set(blocks)
         return web.Response(body=self.metrics.render(), content_type="text/plain")
 
     def dashboard_data(self) -> dict[str, object]:
         assert self._sampler is not None
-        policy = "pd" if self.config.pd_mode else self.config.policy
-        return dashboard_data(self.registry, self.tracker, self.metrics, self._sampler, policy)
+        return dashboard_data(
+            self.registry, self.tracker, self.metrics, self._sampler, self.config.policy
+        )
 
     def _describe(self, worker: Worker) -> dict[str, object]:
         load = self.tracker.load(worker.worker_id)
@@ -194,10 +213,15 @@ class Router:
                 404, "no such worker", error_type="invalid_request_error", code="unknown_worker"
             )
         self.policy.forget_worker(worker.worker_id)
+        if self.subscriber is not None:
+            self.subscriber.reconcile()  # stop following it now, not at the next tick
         if isinstance(self._proxy, PDProxy):
             self._proxy.forget_worker(worker.worker_id)
         with contextlib.suppress(KeyError):
             self.metrics.worker_healthy.remove(worker.worker_id)
+        for tier in TIERS:
+            with contextlib.suppress(KeyError):
+                self.metrics.kv_index_blocks.remove(worker.worker_id, tier)
         log.info("removed worker %s at %s", worker.worker_id, worker.url)
         return _json(worker.describe())
 

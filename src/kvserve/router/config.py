@@ -10,8 +10,9 @@ from dataclasses import dataclass, field
 
 from kvserve.core.routing.cache_aware import CacheAwareConfig
 from kvserve.core.routing.kv_aware import KvAwareConfig
-
-POLICY_NAMES = ("cache_aware", "round_robin", "random", "power_of_two", "session", "kv_aware")
+from kvserve.core.routing.pd_pair import PDConfig
+from kvserve.core.routing.policies import POLICY_NAMES, make_policy
+from kvserve.core.routing.policy import Policy
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,6 +59,7 @@ class RouterConfig:
     tokenizer: str | None = None  # kv_aware: model folder (default: the workers' model)
     session_header: str = "x-session-id"  # else the body's ``user`` field keys the session
     session_virtual_nodes: int = 160
+    pd: PDConfig = field(default_factory=PDConfig)  # PD mode: when to prefill remotely
     retry: RetryConfig = field(default_factory=RetryConfig)
     circuit_breaker: CircuitBreakerConfig = field(default_factory=CircuitBreakerConfig)
     health: HealthCheckConfig = field(default_factory=HealthCheckConfig)
@@ -77,3 +79,14 @@ class RouterConfig:
     @property
     def pd_mode(self) -> bool:
         return bool(self.decode_urls)
+
+    def make_policy(self, now: float) -> Policy:
+        """The policy named in this config, with its tuning."""
+        return make_policy(
+            self.policy,
+            now,
+            seed=self.seed,
+            cache_aware=self.cache_aware,
+            kv_aware=self.kv_aware,
+            session_virtual_nodes=self.session_virtual_nodes,
+        )

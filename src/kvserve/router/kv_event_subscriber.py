@@ -1,4 +1,4 @@
-"""Follows every worker's KV event stream into the kv_aware policy's block index.
+"""Follows every worker's KV event stream, of every pool, into the routing policy.
 
 One task per worker: take ``/kv/snapshot`` (replace that worker's view of every tier),
 then long-poll ``/kv/events?after=SEQ`` and apply each event in order. A ``410`` (the
@@ -7,7 +7,9 @@ from a snapshot: the index never silently skips an event. Polls are spaced ``bat
 apart while events flow, so following a busy fleet costs a few requests per second per
 worker. An unreachable worker is retried with backoff and, being possibly restarted,
 resynced. The fleet is reconciled with the registry every ``reconcile_s``: new workers
-are followed, removed ones forgotten (index and task).
+are followed, removed ones forgotten (the policy's state and the task). The policy gets
+each snapshot's tiers (``observe_snapshot``) and each poll's events, in order
+(``observe_events``): the calls the simulator makes for its simulated workers.
 Wire format: docs/internals.md, "Worker KV events API".
 """
 
@@ -16,14 +18,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
 
 from kvserve.core.kv_events import KVEvent
-from kvserve.core.routing.kv_index import TIERS, KVBlockIndex
+from kvserve.core.routing.kv_index import TIERS
+from kvserve.core.routing.policy import Policy
 from kvserve.router.worker_registry import Worker, WorkerRegistry
 
 log = logging.getLogger(__name__)
@@ -52,22 +55,20 @@ class _Resync(Exception):
 class KVEventSubscriber:
     def __init__(
         self,
-        index: KVBlockIndex,
+        policy: Policy,
         registry: WorkerRegistry,
-        session: aiohttp.ClientSession,
+        session: aiohttp.ClientSession | None,
         *,
         on_worker_info: Callable[[str, WorkerKVInfo], None] | None = None,
-        on_forget: Callable[[str], None] | None = None,
         poll_timeout_s: float = 10.0,
         batch_s: float = 0.05,
         reconcile_s: float = 1.0,
         retry_s: float = 0.5,
     ) -> None:
-        self._index = index
+        self._policy = policy
         self._registry = registry
         self._session = session
         self._on_worker_info = on_worker_info
-        self._on_forget = on_forget
         self._poll_timeout_s = poll_timeout_s
         self._batch_s = batch_s
         self._reconcile_s = reconcile_s
@@ -89,10 +90,8 @@ class KVEventSubscriber:
         current = {w.worker_id: w for w in self._registry.all()}
         for worker_id in [w for w in self._tasks if w not in current]:
             self._tasks.pop(worker_id).cancel()
-            self._index.remove_worker(worker_id)
+            self._policy.forget_worker(worker_id)
             self.last_seq.pop(worker_id, None)
-            if self._on_forget is not None:
-                self._on_forget(worker_id)
         for worker_id, worker in current.items():
             if worker_id not in self._tasks:
                 self._tasks[worker_id] = asyncio.create_task(self._follow(worker))
@@ -120,6 +119,7 @@ class KVEventSubscriber:
 
     async def _get(self, worker: Worker, path: str, timeout_s: float) -> Any:
         timeout = aiohttp.ClientTimeout(total=timeout_s + 5.0)
+        assert self._session is not None, "a subscriber without a session only applies"
         async with self._session.get(worker.url + path, timeout=timeout) as response:
             if response.status == 410:
                 raise _Resync
@@ -134,15 +134,20 @@ class KVEventSubscriber:
                 tuple(str(m["id"]) for m in models["data"]), int(snapshot["block_size"])
             )
             self._on_worker_info(worker.worker_id, info)
-        for tier, blocks in _tiers_of(snapshot).items():
-            self._index.replace(worker.worker_id, tier, [block[0] for block in blocks])
-        self.last_seq[worker.worker_id] = int(snapshot["last_seq"])
+        self.apply_snapshot(worker.worker_id, snapshot)
 
-    async def _poll(self, worker: Worker) -> None:
-        after = self.last_seq[worker.worker_id]
-        path = f"/kv/events?after={after}&timeout={self._poll_timeout_s}"
-        answer = await self._get(worker, path, self._poll_timeout_s)
-        for raw in answer["events"]:
+    def apply_snapshot(self, worker_id: str, snapshot: dict[str, Any]) -> None:
+        """A ``/kv/snapshot`` answer: every tier replaced, the stream continues after it."""
+        for tier, blocks in _tiers_of(snapshot).items():
+            self._policy.observe_snapshot(worker_id, tier, [block[0] for block in blocks])
+        self.last_seq[worker_id] = int(snapshot["last_seq"])
+
+    def apply_events(self, worker_id: str, raw_events: Sequence[dict[str, Any]]) -> None:
+        """A ``/kv/events`` answer's events, in order; those after a sequence gap are not
+        applied and the stream must resync (``_Resync``)."""
+        after = self.last_seq[worker_id]
+        events: list[KVEvent] = []
+        for raw in raw_events:
             event = KVEvent(
                 int(raw["seq"]),
                 raw["kind"],
@@ -151,9 +156,19 @@ class KVEventSubscriber:
                 raw["parent_hash"],
             )
             if event.seq != after + 1:
-                raise _Resync
-            self._index.apply(worker.worker_id, event)
-            after = self.last_seq[worker.worker_id] = event.seq
+                break
+            events.append(event)
+            after = event.seq
+        self._policy.observe_events(worker_id, events)
+        self.last_seq[worker_id] = after
+        if len(events) < len(raw_events):
+            raise _Resync
+
+    async def _poll(self, worker: Worker) -> None:
+        after = self.last_seq[worker.worker_id]
+        path = f"/kv/events?after={after}&timeout={self._poll_timeout_s}"
+        answer = await self._get(worker, path, self._poll_timeout_s)
+        self.apply_events(worker.worker_id, answer["events"])
         if answer["events"]:
             # A busy worker emits events every step: collect them in batches rather than
             # costing it (and the router) one HTTP round trip per step. Speculative

@@ -105,6 +105,13 @@ class RouterMetrics:
             ["worker"],
             registry=self.registry,
         )
+        self.kv_index_blocks = Gauge(
+            "kvserve_router_kv_index_blocks",
+            "KV blocks the router's index holds, per worker and tier, as the workers' KV "
+            "events and snapshots report them (kv_aware; speculation not counted).",
+            ["worker", "tier"],
+            registry=self.registry,
+        )
         self.recent_decisions = DecisionLog()  # for the dashboard: which request, and why
 
     def record_decision(self, decision: RoutingDecision) -> None:

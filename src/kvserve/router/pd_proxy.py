@@ -4,9 +4,11 @@ worker, guards on both workers.
 The router sends the client's body to the decode worker's ``/pd/v1/...`` with the chosen
 prefill worker in ``x-kvserve-prefill`` (absent when the prefill is predicted local);
 the decode worker reserves, pulls the KV from the prefill worker and streams the answer
-back (see ``docs/internals.md``, PD protocol). Routing state is per pool: the prefill
-pool's index learns only from prefill choices, the decode pool's only from decode
-choices, and decode KV headroom comes from the decode workers' ``/load``.
+back (see ``docs/internals.md``, PD protocol). The pair is the routing policy's
+(``Policy.select_pair``: each policy's pair rule is in its module); the proxy gives it
+the two pools' loads, each decode worker's KV headroom (polled from its ``/load``) and
+the conditional-disaggregation thresholds. The decision header names the policy and the
+prefill worker (``policy=kv_aware; ...; prefill=w0``, ``prefill=local`` when none).
 
 Responses name the decode worker in ``x-kvserve-worker``, relay its ``x-kvserve-pd``
 (``remote``, ``local``, ``fallback``) and, when the prefill worker's KV was used
@@ -21,15 +23,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from dataclasses import dataclass
+import dataclasses
 
 import aiohttp
 from aiohttp import web
 
-from kvserve.core.routing.cache_aware import CacheAwareIndex
-from kvserve.core.routing.pd_pair import DecodeCandidate, PDConfig, choose_pair
-from kvserve.core.routing.tie_breaking import Rotation
-from kvserve.core.routing.types import RouteQuery, RoutingDecision
+from kvserve.core.routing.pd_pair import DECODE_POOL, PREFILL_POOL, PDConfig
+from kvserve.core.routing.types import PairDecision, RouteQuery, RoutingDecision
 from kvserve.router.load_guard import LoadGuard
 from kvserve.router.proxy import Proxy
 from kvserve.router.worker_registry import Worker
@@ -38,16 +38,6 @@ PREFILL_HEADER = "x-kvserve-prefill"
 PATH_HEADER = "x-kvserve-pd"  # the decode worker's answer: remote | local | fallback
 PREFILL_WORKER_HEADER = "x-kvserve-prefill-worker"
 LOAD_POLL_INTERVAL_S = 0.5
-
-
-@dataclass(frozen=True, slots=True)
-class PairDecision(RoutingDecision):
-    """The decode worker is the one answering; the prefill worker rides along."""
-
-    prefill_worker_id: str | None = None
-
-    def header_value(self) -> str:
-        return f"{RoutingDecision.header_value(self)}; prefill={self.prefill_worker_id or 'local'}"
 
 
 def _prefill_worker_id(decision: RoutingDecision) -> str | None:
@@ -81,58 +71,31 @@ class PDProxy(Proxy):
     def __init__(self, *args: object, pd_config: PDConfig, **kwargs: object) -> None:
         super().__init__(*args, **kwargs)  # type: ignore[arg-type]
         self._pd_config = pd_config
-        self._index = CacheAwareIndex(self._config.cache_aware, self._clock())
-        self._rotation = Rotation()
         self._free_fraction: dict[str, float] = {}  # decode worker -> free/total blocks
 
     # -- selection -------------------------------------------------------------------
 
-    async def _prepare(self, query: RouteQuery) -> RouteQuery:
-        """Pairs are chosen from the PD proxy's own text index, never by the policy, so
-        the policy's preparation (kv_aware's tokenizing) would be wasted work."""
-        return query
-
     def _select(self, query: RouteQuery, tried: set[str]) -> tuple[Worker, RoutingDecision] | None:
         now = self._clock()
-        decodes = self._registry.accepting(now, "decode", exclude=tried)
+        decodes = self._registry.accepting(now, DECODE_POOL, exclude=tried)
         if not decodes:
-            decodes = self._registry.accepting(now, "decode")
+            decodes = self._registry.accepting(now, DECODE_POOL)
         if not decodes:
             return None
-        prefills = self._registry.accepting(now, "prefill")
-        self._index.maybe_trim(now)
-        decode_tree = self._index.tree("decode", query.model)
-        prefill_tree = self._index.tree("prefill", query.model)
-        text_chars = max(1, len(query.text))
-        decode_matched = decode_tree.match(query.text)
-        prefill_matched = {w: c / text_chars for w, c in prefill_tree.match(query.text).items()}
-        candidates = [
-            DecodeCandidate(
+        prefills = self._registry.accepting(now, PREFILL_POOL)
+        decode_loads = [
+            dataclasses.replace(
                 self._tracker.load(w.worker_id),
-                self._free_fraction.get(w.worker_id, 1.0),
-                decode_matched.get(w.worker_id, 0) / text_chars,
+                kv_free_fraction=self._free_fraction.get(w.worker_id, 1.0),
             )
             for w in decodes
         ]
         prefill_loads = [self._tracker.load(w.worker_id) for w in prefills]
-        pair = choose_pair(
-            candidates,
-            prefill_loads,
-            prefill_matched,
-            query.prefill_tokens,
-            self._pd_config,
-            self._rotation,
-        )
-        decode_id = pair.decode.load.worker_id
-        prefill_id = pair.prefill.worker_id if pair.prefill is not None else None
-        decode_tree.insert(query.text, decode_id, now)
-        if prefill_id is not None:
-            prefill_tree.insert(query.text, prefill_id, now)
-        decision = PairDecision(
-            decode_id, "pd", pair.reason, pair.prefill_matched_fraction, prefill_id
+        decision = self._policy.select_pair(
+            query, decode_loads, prefill_loads, now, self._pd_config
         )
         self._metrics.record_decision(decision)
-        worker = next(w for w in decodes if w.worker_id == decode_id)
+        worker = next(w for w in decodes if w.worker_id == decision.worker_id)
         return worker, decision
 
     # -- the attempt -----------------------------------------------------------------
@@ -174,7 +137,7 @@ class PDProxy(Proxy):
         ones are evictable unless a running request pins them) over all, from ``/load``."""
         timeout = aiohttp.ClientTimeout(total=self._config.health.timeout_s)
         while True:
-            decodes = [w for w in self._registry.all() if w.pool == "decode"]
+            decodes = [w for w in self._registry.all() if w.pool == DECODE_POOL]
             await asyncio.gather(*(self._poll_load(w, timeout) for w in decodes))
             await asyncio.sleep(LOAD_POLL_INTERVAL_S)
 
@@ -187,6 +150,5 @@ class PDProxy(Proxy):
             self._free_fraction[worker.worker_id] = reclaimable / total if total else 0.0
 
     def forget_worker(self, worker_id: str) -> None:
-        """Drop the routing state of a worker that left the fleet."""
-        self._index.forget_worker(worker_id)
+        """Drop the headroom of a worker that left the fleet (the policy forgets the rest)."""
         self._free_fraction.pop(worker_id, None)

@@ -18,15 +18,10 @@ from typing import Any
 import jinja2
 
 from kvserve.core.hashing import block_hashes, make_namespace
-from kvserve.engine.chat_template import ChatTemplateError
-from kvserve.engine.model_config import ModelLoadError
-from kvserve.engine.tokenizer import Tokenizer
-
-
-@dataclass(frozen=True, slots=True)
-class PromptBlocks:
-    num_tokens: int
-    reusable_hashes: list[int]  # full blocks before the last token: what a worker can match
+from kvserve.core.routing.types import PromptBlocks
+from kvserve.model_folder.chat_template import ChatTemplateError
+from kvserve.model_folder.errors import ModelLoadError
+from kvserve.model_folder.tokenizer import Tokenizer
 
 
 def _message_text(content: Any) -> str:
@@ -101,13 +96,13 @@ class PromptHasher:
         return prompt
 
     def blocks(self, body: Mapping[str, Any], block_size: int) -> PromptBlocks | None:
-        return _prompt_blocks(body, self.prompt_tokens(body), block_size)
+        return prompt_blocks(body, self.prompt_tokens(body), block_size)
 
     async def blocks_async(self, body: Mapping[str, Any], block_size: int) -> PromptBlocks | None:
-        return _prompt_blocks(body, await self.prompt_tokens_async(body), block_size)
+        return prompt_blocks(body, await self.prompt_tokens_async(body), block_size)
 
 
-def _prompt_blocks(
+def prompt_blocks(
     body: Mapping[str, Any], tokens: list[int] | None, block_size: int
 ) -> PromptBlocks | None:
     """The reusable block hashes of a body's prompt tokens, in its model's namespace."""
@@ -116,4 +111,4 @@ def _prompt_blocks(
     model = body.get("model")
     namespace = make_namespace(model if isinstance(model, str) else "")
     reusable = tokens[: (len(tokens) - 1) // block_size * block_size]
-    return PromptBlocks(len(tokens), block_hashes(reusable, block_size, namespace))
+    return PromptBlocks(len(tokens), block_hashes(reusable, block_size, namespace), block_size)

@@ -18,13 +18,14 @@ import aiohttp
 import orjson
 from aiohttp import web
 
+from kvserve.core.routing.policies.kv_aware import KvAwarePolicy
+from kvserve.core.routing.policy import Policy
 from kvserve.core.routing.types import RouteQuery, RoutingDecision
 from kvserve.router.config import RouterConfig
 from kvserve.router.errors import openai_error
 from kvserve.router.load_guard import LoadGuard, LoadTracker
 from kvserve.router.metrics import RouterMetrics
-from kvserve.router.policies import Policy
-from kvserve.router.policies.kv_aware import KvAwarePolicy
+from kvserve.router.prompt_preparer import PromptPreparer
 from kvserve.router.retry import RETRYABLE_STATUSES, backoff_delays
 from kvserve.router.route_query import build_route_query
 from kvserve.router.usage import StreamUsageReader, cached_tokens_in_body
@@ -67,6 +68,7 @@ class Proxy:
         metrics: RouterMetrics,
         session: aiohttp.ClientSession,
         clock: Callable[[], float] = time.monotonic,
+        preparer: PromptPreparer | None = None,
     ) -> None:
         self._config = config
         self._registry = registry
@@ -75,6 +77,7 @@ class Proxy:
         self._metrics = metrics
         self._session = session
         self._clock = clock
+        self._preparer = preparer
         self._rng = random.Random(config.seed)
         self._timeout = aiohttp.ClientTimeout(total=config.request_timeout_s)
 
@@ -89,14 +92,15 @@ class Proxy:
             return self._reject(400, "request body is not valid JSON", "invalid_json")
         if not isinstance(body, dict):
             return self._reject(400, "request body must be a JSON object", "invalid_json")
-        query = await self._prepare(
-            build_route_query(
-                body,
-                request.headers,
-                session_header=self._config.session_header,
-                chars_per_token=self._config.chars_per_token,
-            )
+        query = build_route_query(
+            body,
+            request.headers,
+            session_header=self._config.session_header,
+            chars_per_token=self._config.chars_per_token,
         )
+        if self._preparer is not None:
+            # Once, before any guard: a client gone meanwhile leaves none held.
+            query = await self._preparer.prepare(query)
         delays = backoff_delays(self._config.retry, self._rng)
         tried: set[str] = set()
         while True:
@@ -113,10 +117,6 @@ class Proxy:
                 return outcome.response
             self._metrics.retries.labels(worker.worker_id).inc()
             await asyncio.sleep(delay)
-
-    async def _prepare(self, query: RouteQuery) -> RouteQuery:
-        """Once per request, before any guard: a client gone meanwhile leaves none held."""
-        return await self._policy.prepare(query)
 
     def _select(self, query: RouteQuery, tried: set[str]) -> tuple[Worker, RoutingDecision] | None:
         now = self._clock()

@@ -2,9 +2,19 @@
 
 Everything that decides is the servers' own code: per worker a
 :class:`~kvserve.core.kv_cache_manager.KVCacheManager` and the core scheduler, and the
-router's routing logic; a :class:`~kvserve.core.cost_model.CostModel` stands in for the
-GPU. Events are kept in a heap; arrivals are already sorted and are merged in from the
-trace, and a worker's steps run back to back while it has work.
+router's own routing policy objects (:func:`kvserve.core.routing.policies.make_policy`),
+driven with the router's calls: ``select`` on the loads the router's guards would hold
+(in-flight requests, and prompt tokens until the first token), and ``observe_events``
+with what each worker's cache emitted after each step; a
+:class:`~kvserve.core.cost_model.CostModel` stands in for the GPU. Events are kept in a
+heap; arrivals are already sorted and are merged in from the trace, and a worker's steps
+run back to back while it has work.
+
+A request's query is built from its trace entry: ``text`` has one character per trace
+block (distinct blocks, distinct characters, so ``cache_aware``'s matched fraction is a
+fraction of blocks), ``blocks`` the engine's own hashes of its tokens (for
+``kv_aware``), ``session_key`` the trace's session field (Mooncake and Azure traces have none, so
+``session`` routes every request by load there).
 
 ``global`` is the reference ceiling: N schedulers (N GPUs) over one shared cache of N×T
 tokens, so every request finds every prefix ever computed and still in that cache; with
@@ -24,22 +34,19 @@ from kvserve.core.kv_cache_manager import KVCacheManager
 from kvserve.core.request import Request
 from kvserve.core.routing.cache_aware import CacheAwareConfig
 from kvserve.core.routing.kv_aware import KvAwareConfig
-from kvserve.core.routing.types import WorkerLoad
+from kvserve.core.routing.policies import POLICY_NAMES, make_policy
+from kvserve.core.routing.policy import Policy
+from kvserve.core.routing.types import PromptBlocks, RouteQuery, WorkerLoad
 from kvserve.core.sampling_params import SamplingParams
 from kvserve.core.scheduler import SchedulerConfig
-from kvserve.sim.routing import (
-    CacheAware,
-    KvAware,
-    LeastLoaded,
-    RandomChoice,
-    RoundRobin,
-    SimPolicy,
-)
 from kvserve.sim.trace import BLOCK_TOKENS, TraceRequest
 from kvserve.sim.worker import SimWorker
 
-POLICIES = ("round_robin", "random", "least_loaded", "cache_aware", "kv_aware", "global")
-_NAMESPACE = make_namespace("sim")
+GLOBAL = "global"  # least_loaded over one shared cache: the ceiling
+POLICIES = (*POLICY_NAMES, GLOBAL)
+MODEL = "sim"  # the namespace of the simulated model's blocks
+_NAMESPACE = make_namespace(MODEL)
+_FIRST_BLOCK_CHAR = 0x10000  # above the BMP's surrogates: every hash id is one code point
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,18 +92,33 @@ class SimResult:
     wall_s: float
 
 
-def make_policy(name: str, config: SimConfig) -> SimPolicy:
-    factories: dict[str, Callable[[], SimPolicy]] = {
-        "round_robin": RoundRobin,
-        "random": lambda: RandomChoice(config.seed),
-        "least_loaded": LeastLoaded,
-        "global": LeastLoaded,
-        "cache_aware": lambda: CacheAware(config.cache_aware, 0.0),
-        "kv_aware": lambda: KvAware(config.kv_aware, BLOCK_TOKENS),
-    }
-    if name not in factories:
+def build_policy(name: str, config: SimConfig) -> Policy:
+    """The router's policy called ``name`` (``global``: least_loaded), tuned as in
+    ``config``."""
+    if name not in POLICIES:
         raise ValueError(f"unknown policy {name!r}; choose from {POLICIES}")
-    return factories[name]()
+    return make_policy(
+        "least_loaded" if name == GLOBAL else name,
+        0.0,
+        seed=config.seed,
+        cache_aware=config.cache_aware,
+        kv_aware=config.kv_aware,
+    )
+
+
+def route_query(spec: TraceRequest, request: Request, with_blocks: bool) -> RouteQuery:
+    """What the router would know of ``spec``'s request (see the module docstring)."""
+    blocks = None
+    if with_blocks:
+        hashes = request.reusable_block_hashes()
+        blocks = PromptBlocks(request.num_prompt_tokens, hashes, BLOCK_TOKENS)
+    return RouteQuery(
+        text="".join(chr(_FIRST_BLOCK_CHAR + h) for h in spec.hash_ids),
+        model=MODEL,
+        session_key=spec.session_key,
+        prefill_tokens=request.num_prompt_tokens,
+        blocks=blocks,
+    )
 
 
 class _Loads:
@@ -114,10 +136,10 @@ class Simulation:
     def __init__(self, policy_name: str, config: SimConfig) -> None:
         self.policy_name = policy_name
         self.config = config
-        self.policy = make_policy(policy_name, config)
+        self.policy = build_policy(policy_name, config)
         scheduler_config = SchedulerConfig(config.max_num_batched_tokens, config.max_num_seqs)
         ids = [f"w{i}" for i in range(config.num_workers)]
-        if policy_name == "global":
+        if policy_name == GLOBAL:
             shared = KVCacheManager(config.blocks_per_worker * config.num_workers, BLOCK_TOKENS)
             caches = [shared] * config.num_workers
         else:
@@ -126,7 +148,7 @@ class Simulation:
             w: SimWorker(w, cache, config.cost, scheduler_config)
             for w, cache in zip(ids, caches, strict=True)
         }
-        self._shared_cache = policy_name == "global"
+        self._shared_cache = policy_name == GLOBAL
         self._loads = _Loads(ids)
         self._steps: list[tuple[float, int, str]] = []  # (end time, order, worker)
         self._order = 0
@@ -176,7 +198,8 @@ class Simulation:
             namespace=_NAMESPACE,
             block_size=BLOCK_TOKENS,
         )
-        worker_id = self.policy.route(request, spec.hash_ids, self._loads.snapshot(), now)
+        query = route_query(spec, request, self.policy.reads_prompt_blocks)
+        worker_id = self.policy.select(query, self._loads.snapshot(), now).worker_id
         self._loads.requests[worker_id] += 1
         self._loads.prefill_tokens[worker_id] += request.num_prompt_tokens
         self._arrivals[spec.request_id] = now
@@ -202,7 +225,7 @@ class Simulation:
         for request in result.finished:
             self._record(request, now)
         if not self._shared_cache:
-            self.policy.observe(worker.worker_id, worker.new_events())
+            self.policy.observe_events(worker.worker_id, worker.new_events())
         horizon = self._horizon(trace, next_arrival)
         # With one shared cache a worker may have waited for blocks another one freed.
         waiting = self.workers.values() if self._shared_cache else (worker,)

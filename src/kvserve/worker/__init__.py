@@ -1,1 +1,2 @@
-"""worker layer (see DESIGN.md §1)."""
+"""worker layer: the HTTP server around one engine (layers and modules:
+docs/architecture.md; interfaces: docs/internals.md)."""

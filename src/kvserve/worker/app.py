@@ -81,9 +81,9 @@ def build_app(config: WorkerConfig, engine: Any) -> ASGIApp:
 
     @app.get("/debug/check")
     async def check_ledger() -> Response:
-        """Runs the block ledger's invariant check between two engine steps."""
+        """Runs the block ledger's and the connectors' invariant checks between two steps."""
         try:
-            await bridge.call(lambda e: e.kv_cache.check())
+            await bridge.call(lambda e: e.check())
         except AssertionError as exc:
             raise APIError(500, f"KV cache invariant broken: {exc}", code="ledger_broken") from exc
         return JSONResponse({"ok": True})

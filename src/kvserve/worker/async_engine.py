@@ -278,7 +278,7 @@ class AsyncEngine:
 
     def _step(self, loop: asyncio.AbstractEventLoop) -> list[Any]:
         try:
-            outputs = self.engine.step()
+            outputs: list[Any] = self.engine.step()
         except Exception as exc:
             logger.exception("engine step failed; aborting its requests")
             self._abort_all(loop, RequestAborted(f"engine step failed: {exc!r}"))

@@ -23,7 +23,7 @@ class EngineState:
     prefix_hit_tokens: int = 0
     preemptions: int = 0
     events_last_seq: int = 0
-    kv_tiers: tuple[tuple[str, int], ...] = ()  # KVTiers.metrics() items, if tiers are on
+    kv_tiers: tuple[tuple[str, int], ...] = ()  # the connectors' metrics (the KV tiers' only)
 
     @property
     def used_blocks(self) -> int:
@@ -44,7 +44,7 @@ class EngineState:
 def probe_engine(engine: Any) -> EngineState:
     """Reads an ``LLMEngine``; call only on the engine's own thread."""
     load = engine.load()
-    stats = engine.kv_cache.stats
+    prefix_cache = engine.scheduler.stats  # each request counted once, at admission
     return EngineState(
         running=load["running"],
         waiting=load["waiting"],
@@ -52,11 +52,9 @@ def probe_engine(engine: Any) -> EngineState:
         cached_blocks=load["cached_blocks"],
         total_blocks=load["total_blocks"],
         prefill_tokens=load["prefill_tokens"],
-        prefix_queried_tokens=stats.queried_tokens,
-        prefix_hit_tokens=stats.hit_tokens,
+        prefix_queried_tokens=prefix_cache.prompt_tokens,
+        prefix_hit_tokens=prefix_cache.cached_prompt_tokens,
         preemptions=load.get("preemptions", 0),
         events_last_seq=engine.events.last_seq,
-        kv_tiers=tuple(tiers.metrics().items())
-        if (tiers := getattr(engine, "tiers", None))
-        else (),
+        kv_tiers=tuple(engine.connector_metrics().items()),
     )

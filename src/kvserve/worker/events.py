@@ -10,7 +10,7 @@ docs/internals.md, "Worker KV events API".
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from fastapi import APIRouter, Query
@@ -40,11 +40,11 @@ def event_body(event: KVEvent) -> dict[str, Any]:
 
 def _take_snapshot(
     engine: LLMEngine,
-) -> tuple[int, BlockList, dict[str, BlockList]]:
+) -> tuple[int, BlockList, Mapping[str, BlockList]]:
     """Every tier at one ``last_seq``: run on the engine thread, where every tier's
     events are emitted, so no event falls between the device and the other tiers."""
     last_seq, device = engine.kv_cache.snapshot()
-    return last_seq, device, engine.tiers.snapshot() if engine.tiers is not None else {}
+    return last_seq, device, engine.connector_snapshot()
 
 
 def _pairs(blocks: BlockList) -> list[list[int | None]]:

@@ -12,14 +12,14 @@ import itertools
 import time
 import uuid
 from collections.abc import AsyncIterator, Coroutine
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import orjson
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.types import Receive
 
-from kvserve.worker.async_engine import AsyncEngine, RequestAborted, RequestStream
+from kvserve.worker.async_engine import RequestAborted
 from kvserve.worker.errors import APIError
 from kvserve.worker.json_response import JSONResponse
 from kvserve.worker.metrics import RequestTimer, WorkerMetrics
@@ -35,11 +35,29 @@ _PROCESS_TAG = uuid.uuid4().hex[:12]
 _REQUEST_NUMBERS = itertools.count()
 
 
+class OutputStream(Protocol):
+    """One request's outputs in order (a ``RequestStream``, or a view of one)."""
+
+    @property
+    def finished(self) -> bool: ...
+    def __aiter__(self) -> AsyncIterator[Any]: ...
+
+
+class GenerationBackend(Protocol):
+    """What runs generations: the engine thread bridge (``AsyncEngine``), or a decode
+    worker's PD session in its place."""
+
+    engine: Any  # the LLMEngine behind it, read for its model name, context and tokenizer
+
+    async def generate(self, request_id: str, prompt: Any, params: Any) -> OutputStream: ...
+    def abort(self, request_id: str) -> None: ...
+
+
 class Generation:
     """The per-request context shared by the streamed and the collected paths."""
 
     def __init__(
-        self, engine: AsyncEngine, metrics: WorkerMetrics, fmt: ResponseFormat, model: str
+        self, engine: GenerationBackend, metrics: WorkerMetrics, fmt: ResponseFormat, model: str
     ) -> None:
         self.engine = engine
         self.fmt = fmt
@@ -61,12 +79,12 @@ class Generation:
         finally:
             self._abort_unless_finished(outputs)
 
-    def _abort_unless_finished(self, outputs: RequestStream) -> None:
+    def _abort_unless_finished(self, outputs: OutputStream) -> None:
         if not outputs.finished:
             self.engine.abort(self.request_id)
             self.timer.on_abort()
 
-    async def _collect(self, receive: Receive, outputs: RequestStream) -> Response:
+    async def _collect(self, receive: Receive, outputs: OutputStream) -> Response:
         texts: list[str] = []
 
         async def consume() -> Any:
@@ -93,7 +111,7 @@ class Generation:
         )
         return JSONResponse(body)
 
-    async def _events(self, outputs: RequestStream, include_usage: bool) -> AsyncIterator[bytes]:
+    async def _events(self, outputs: OutputStream, include_usage: bool) -> AsyncIterator[bytes]:
         """Server-sent events; a cancelled iteration (client gone) aborts the request."""
         try:
             opening = self.fmt.opening_choice()

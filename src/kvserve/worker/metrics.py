@@ -45,11 +45,11 @@ class _EngineStateCollector(Collector):
             yield GaugeMetricFamily(name, documentation, value=value)
         counters = {
             "kvserve_prefix_cache_queried_tokens": (
-                "Prompt tokens looked up in the prefix cache.",
+                "Prompt tokens of admitted requests (each request once).",
                 state.prefix_queried_tokens,
             ),
             "kvserve_prefix_cache_hit_tokens": (
-                "Prompt tokens found in the prefix cache.",
+                "Prompt tokens served from the prefix cache (each request once).",
                 state.prefix_hit_tokens,
             ),
             "kvserve_num_preemptions": ("Requests preempted.", state.preemptions),
@@ -62,8 +62,8 @@ class _EngineStateCollector(Collector):
 
 def _kv_tier_metrics(values: tuple[tuple[str, int], ...]) -> Iterator[Metric]:
     """``kvserve_kv_tier_*``: hits, loads, writes and faults of the host and storage tiers
-    (names as in :meth:`kvserve.engine.kv_tiers.KVTiers.metrics`)."""
-    from kvserve.engine.kv_tiers import FAULT_PREFIX, GAUGES
+    (names as in :meth:`kvserve.engine.kv_tiers.connector.KVTiers.metrics`)."""
+    from kvserve.engine.kv_tiers.connector import FAULT_PREFIX, GAUGES
 
     faults = CounterMetricFamily(
         "kvserve_kv_tier_faults",

@@ -24,15 +24,14 @@ from starlette.responses import Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from kvserve.core.sampling_params import InvalidParameterError, SamplingParams
-from kvserve.engine.chat_template import ChatTemplateError
-from kvserve.worker.async_engine import AsyncEngine
+from kvserve.model_folder.chat_template import ChatTemplateError
 from kvserve.worker.errors import (
     APIError,
     internal_error,
     invalid_request,
     validation_error_to_api_error,
 )
-from kvserve.worker.generation import Generation
+from kvserve.worker.generation import Generation, GenerationBackend
 from kvserve.worker.json_response import JSONResponse
 from kvserve.worker.metrics import WorkerMetrics
 from kvserve.worker.protocol import ChatCompletionRequest, CompletionRequest, SamplingRequest
@@ -42,7 +41,9 @@ from kvserve.worker.responses import CHAT, COMPLETION, ResponseFormat
 class OpenAIEndpoints:
     """Request handling shared by the OpenAI routes of one worker."""
 
-    def __init__(self, engine: AsyncEngine, metrics: WorkerMetrics, api_key: str | None) -> None:
+    def __init__(
+        self, engine: GenerationBackend, metrics: WorkerMetrics, api_key: str | None
+    ) -> None:
         self.engine = engine
         self.metrics = metrics
         self.api_key = api_key

@@ -6,9 +6,11 @@
   (absent: prefill here). Answers like ``/v1/...``, with ``x-kvserve-pd`` saying how the
   prompt was prefilled (``remote``, ``local``, ``fallback``).
 
-While serving, a prefill worker listens for KV transfers; a decode worker sweeps lapsed
-leases every second, so blocks of a reservation nobody finishes come back even when the
-engine is idle.
+While serving, a prefill worker's KV transfer sender accepts transfers; a decode worker
+sweeps lapsed leases every second, so blocks of a reservation nobody finishes come back
+even when the engine is idle. The engine was built with the role's PD connector
+(:func:`pd_connectors`); the transfer is the TCP one (:func:`transfer_sender`,
+:func:`transfer_receiver`: where another implementation plugs in).
 """
 
 from __future__ import annotations
@@ -17,23 +19,53 @@ import asyncio
 import contextlib
 import time
 from collections.abc import AsyncIterator, Callable
+from typing import TYPE_CHECKING
 
 from fastapi import APIRouter, Request
 from starlette.responses import Response
 
+from kvserve.engine.kv_connector import ConnectorFactory
+from kvserve.engine.pd_export import PDExporter
+from kvserve.engine.pd_import import PDImporter, pd_importer
 from kvserve.worker.async_engine import AsyncEngine
 from kvserve.worker.config import WorkerConfig
 from kvserve.worker.json_response import JSONResponse
+from kvserve.worker.kv_transfer import KVTransferReceiver, KVTransferSender
 from kvserve.worker.metrics import WorkerMetrics
 from kvserve.worker.openai_api import OpenAIEndpoints
-from kvserve.worker.pd_decode import PDDecodeSession, PrefillPeers
-from kvserve.worker.pd_transfer import PrefillTransferServer
+from kvserve.worker.pd_decode import PDDecodeSession
 from kvserve.worker.protocol import ChatCompletionRequest, CompletionRequest, SamplingRequest
 from kvserve.worker.responses import CHAT, COMPLETION, ResponseFormat
+from kvserve.worker.tcp_kv_transfer import TCPKVReceiver, TCPKVSender
+
+if TYPE_CHECKING:
+    from kvserve.engine.llm_engine import LLMEngine
 
 PREFILL_HEADER = "x-kvserve-prefill"
 PATH_HEADER = "x-kvserve-pd"
 LEASE_SWEEP_INTERVAL_S = 1.0
+
+
+def pd_connectors(config: WorkerConfig) -> list[ConnectorFactory]:
+    """The PD connector of the worker's role (none for a mixed worker)."""
+    if config.role == "prefill":
+        return [PDExporter]
+    if config.role == "decode":
+        return [pd_importer(config.pd)]
+    return []
+
+
+def transfer_sender(
+    config: WorkerConfig, bridge: AsyncEngine, exporter: PDExporter
+) -> KVTransferSender:
+    """A prefill worker's side of the KV transfer."""
+    return TCPKVSender(bridge, exporter.layout, config.host)
+
+
+def transfer_receiver(importer: PDImporter) -> KVTransferReceiver:
+    """A decode worker's side of the KV transfer."""
+    # A prefill worker silent for a lease's lifetime would lose the lease anyway.
+    return TCPKVReceiver(importer.layout, frame_timeout_s=importer.lease_ttl_s)
 
 
 class PDService:
@@ -41,18 +73,27 @@ class PDService:
         self._config = config
         self._bridge = bridge
         self._metrics = metrics
-        self._peers = PrefillPeers(timeout_s=5.0)
-        self._transfer = PrefillTransferServer(bridge, bridge.engine.kv_layout)
+        engine: LLMEngine = bridge.engine
+        self._sender: KVTransferSender | None = None
+        self._receiver: KVTransferReceiver | None = None
+        if config.role == "prefill":
+            exporter = engine.connector(PDExporter)
+            self._layout = exporter.layout
+            self._sender = transfer_sender(config, bridge, exporter)
+        else:
+            self._importer = engine.connector(PDImporter)  # used on the engine thread only
+            self._layout = self._importer.layout
+            self._receiver = transfer_receiver(self._importer)
         self.router = self._build_router()
 
     @contextlib.asynccontextmanager
     async def serving(self) -> AsyncIterator[None]:
-        if self._config.role == "prefill":
-            await self._transfer.start(self._config.host)
+        if self._sender is not None:
+            await self._sender.start()
             try:
                 yield
             finally:
-                await self._transfer.close()
+                await self._sender.close()
             return
         sweeper = asyncio.ensure_future(self._sweep_leases())
         try:
@@ -63,7 +104,10 @@ class PDService:
     async def _sweep_leases(self) -> None:
         while True:
             await asyncio.sleep(LEASE_SWEEP_INTERVAL_S)
-            self._bridge.post(lambda engine: engine.expire_leases(time.monotonic()))
+            self._bridge.post(self._expire_leases)
+
+    def _expire_leases(self, _: LLMEngine) -> None:
+        self._importer.expire(time.monotonic())
 
     async def _respond(
         self,
@@ -75,8 +119,11 @@ class PDService:
     ) -> Response:
         """As the ``/v1`` route would, with the PD session in the engine's place."""
         prefill_url = request.headers.get(PREFILL_HEADER) or None
-        session = PDDecodeSession(self._bridge, self._peers, prefill_url, request.receive)
-        endpoints = OpenAIEndpoints(session, self._metrics, self._config.api_key)  # type: ignore[arg-type]
+        assert self._receiver is not None, "decode role only"
+        session = PDDecodeSession(
+            self._bridge, self._importer, self._receiver, prefill_url, request.receive
+        )
+        endpoints = OpenAIEndpoints(session, self._metrics, self._config.api_key)
         await endpoints.check_api_key(request)
         endpoints.check_model(body)
         response = await endpoints.generate(request, body, fmt, prompt_of(endpoints), max_tokens)
@@ -85,13 +132,13 @@ class PDService:
 
     def _build_router(self) -> APIRouter:
         router = APIRouter()
-        config, engine = self._config, self._bridge.engine
+        config = self._config
 
         @router.get("/pd/info")
         async def info() -> Response:
-            body = {"role": config.role, "layout": engine.kv_layout.to_json()}
-            if config.role == "prefill":
-                body |= {"transfer_host": config.host, "transfer_port": self._transfer.port}
+            body = {"role": config.role, "layout": self._layout.to_json()}
+            if self._sender is not None:
+                body |= self._sender.info()
             return JSONResponse(body)
 
         if config.role != "decode":

@@ -6,6 +6,7 @@ unchanged. Its ``generate`` reserves blocks under a lease, has the prefill worke
 and send them (or prefills here: conditional disaggregation), then hands the request to
 the engine, which computes only the prompt's tail and decodes.
 
+The blocks travel by the worker's :class:`~kvserve.worker.kv_transfer.KVTransferReceiver`.
 Whatever goes wrong with the prefill worker (unreachable, dies mid-transfer, stalls past
 the lease, refuses) the request is prefilled here instead: blocks installed so far stay
 cached and count. If the client leaves during the transfer, the transfer is cancelled
@@ -19,46 +20,20 @@ import dataclasses
 import logging
 import time
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import aiohttp
 import torch
 from starlette.types import Receive
 
-from kvserve.engine.kv_block_io import KVBlockLayout
+from kvserve.engine.pd_import import PDImporter, Reservation
 from kvserve.worker.async_engine import AsyncEngine, RequestStream
 from kvserve.worker.errors import APIError
-from kvserve.worker.pd_transfer import TRANSFER_ERRORS, fetch_blocks
+from kvserve.worker.kv_transfer import KVTransferError, KVTransferReceiver
+
+if TYPE_CHECKING:
+    from kvserve.engine.llm_engine import LLMEngine
 
 logger = logging.getLogger(__name__)
-
-# Any of these from the prefill side means: prefill here instead.
-_FALLBACK_ERRORS = (*TRANSFER_ERRORS, aiohttp.ClientError, KeyError)
-
-
-class PrefillPeers:
-    """Transfer addresses of prefill workers by URL, learned from their ``/pd/info``."""
-
-    def __init__(self, timeout_s: float) -> None:
-        self._addresses: dict[str, tuple[str, int]] = {}
-        self._timeout = aiohttp.ClientTimeout(total=timeout_s)
-
-    async def address(self, url: str) -> tuple[str, int]:
-        known = self._addresses.get(url)
-        if known is not None:
-            return known
-        async with (
-            aiohttp.ClientSession(timeout=self._timeout) as session,
-            session.get(url.rstrip("/") + "/pd/info") as response,
-        ):
-            response.raise_for_status()
-            info = await response.json()
-        address = self._addresses[url] = (str(info["transfer_host"]), int(info["transfer_port"]))
-        return address
-
-    def forget(self, url: str) -> None:
-        """After a failed transfer: the worker may have restarted on another port."""
-        self._addresses.pop(url, None)
 
 
 class _ReportedCache:
@@ -85,25 +60,35 @@ class PDDecodeSession:
     def __init__(
         self,
         bridge: AsyncEngine,
-        peers: PrefillPeers,
+        importer: PDImporter,  # of the engine behind ``bridge``: touched on its thread only
+        receiver: KVTransferReceiver,
         prefill_url: str | None,
         receive: Receive,
     ) -> None:
         self.engine = bridge.engine
         self._bridge = bridge
-        self._peers = peers
+        self._importer = importer
+        self._receiver = receiver
         self._prefill_url = prefill_url
         self._receive = receive
         self.path = "local"
 
     def abort(self, request_id: str) -> None:
-        self._bridge.abort(request_id)  # the engine also ends a lease of that id
+        self._bridge.abort(request_id)  # a handed-over lease ends with its request
 
     async def generate(self, request_id: str, prompt: Any, params: Any) -> Any:
         if self._prefill_url is None:
             return await self._bridge.generate(request_id, prompt, params)
-        bridge = self._bridge
-        reservation = await bridge.call(lambda e: e.reserve(request_id, prompt, time.monotonic()))
+        bridge, importer = self._bridge, self._importer
+
+        def reserve(engine: LLMEngine) -> Reservation:
+            token_ids = engine.prompt_token_ids(prompt)
+            return importer.reserve(request_id, token_ids, time.monotonic())
+
+        def release(_: LLMEngine) -> None:
+            importer.release(request_id)
+
+        reservation = await bridge.call(reserve)
         if not reservation.remote:
             return await bridge.generate(request_id, reservation.token_ids, params)
         block_size = self.engine.kv_cache.block_size
@@ -111,48 +96,39 @@ class PDDecodeSession:
             cached = await self._transfer(request_id, reservation, self._prefill_url)
             cached = max(cached, reservation.num_cached_blocks * block_size)
             self.path = "remote"
-        except _FALLBACK_ERRORS as exc:
-            logger.warning(
-                "PD transfer from %s failed, prefilling here: %r", self._prefill_url, exc
-            )
-            self._peers.forget(self._prefill_url)
-            bridge.post(lambda e: e.release_lease(request_id))
+        except KVTransferError as exc:
+            logger.warning("PD transfer failed, prefilling here: %s", exc)
+            bridge.post(release)
             self.path = "fallback"
             return await bridge.generate(request_id, reservation.token_ids, params)
         except BaseException:
-            bridge.post(lambda e: e.release_lease(request_id))
+            bridge.post(release)
             raise
         try:
             stream = await bridge.generate(request_id, reservation.token_ids, params)
         except BaseException:
-            bridge.post(lambda e: e.release_lease(request_id))
+            bridge.post(release)
             raise
         return _ReportedCache(stream, cached)
 
-    async def _transfer(self, request_id: str, reservation: Any, prefill_url: str) -> int:
+    async def _transfer(self, request_id: str, reservation: Reservation, prefill_url: str) -> int:
         """Fetch and install the blocks; APIError(499) if the client leaves meanwhile."""
-        bridge = self._bridge
-        engine = self.engine
+        bridge, importer = self._bridge, self._importer
 
         async def install(first_block: int, blocks: torch.Tensor) -> None:
-            await bridge.call(
-                lambda e: e.install(request_id, first_block, blocks, time.monotonic())
-            )
+            def write(_: LLMEngine) -> None:
+                importer.install(request_id, first_block, blocks, time.monotonic())
 
-        async def fetch() -> int:
-            address = await self._peers.address(prefill_url)
-            layout: KVBlockLayout = engine.kv_layout
-            return await fetch_blocks(
-                address,
-                layout,
-                reservation.token_ids,
-                reservation.num_cached_blocks,
-                reservation.num_blocks,
-                install,
-                engine.lease_ttl_s,
-            )
+            await bridge.call(write)
 
-        fetching = asyncio.ensure_future(fetch())
+        fetch = self._receiver.fetch(
+            prefill_url,
+            reservation.token_ids,
+            reservation.num_cached_blocks,
+            reservation.num_blocks,
+            install,
+        )
+        fetching = asyncio.ensure_future(fetch)
         watcher = asyncio.ensure_future(_client_gone(self._receive))
         try:
             await asyncio.wait({fetching, watcher}, return_when=asyncio.FIRST_COMPLETED)

@@ -41,14 +41,15 @@ def serve(config: WorkerConfig) -> None:
     """Blocks until the worker is told to stop."""
     from kvserve.core.cost_model import profile
     from kvserve.engine.cost_model_runner import CostModelRunner
+    from kvserve.engine.kv_tiers.connector import kv_tiers
     from kvserve.engine.llm_engine import LLMEngine  # torch: import only when serving
-    from kvserve.engine.pd_engine import PDEngine
+    from kvserve.worker.pd_api import pd_connectors
 
     runner = None
     if config.runner == "sim":
         runner = CostModelRunner(config.model_dir, profile(config.sim_profile))
-    pd_options = {"pd_config": config.pd} if config.role != "mixed" else {}
-    engine = (PDEngine if pd_options else LLMEngine)(
+    connectors = [kv_tiers(config.kv_tiers)] if config.kv_tiers.enabled else []
+    engine = LLMEngine(
         config.model_dir,
         block_size=config.block_size,
         num_blocks=config.num_blocks,
@@ -57,8 +58,7 @@ def serve(config: WorkerConfig) -> None:
         device=config.device,
         model_name=config.model_name,
         runner=runner,
-        kv_tiers=config.kv_tiers,
-        **pd_options,
+        connectors=[*connectors, *pd_connectors(config)],
     )
     app = build_app(config, engine)
     server = _GracefulServer(
@@ -71,7 +71,8 @@ def serve(config: WorkerConfig) -> None:
             lifespan="on",
             access_log=False,
             log_level="warning",
-            timeout_graceful_shutdown=config.shutdown_timeout_s,
+            # uvicorn types this as int but waits with asyncio, which takes a float.
+            timeout_graceful_shutdown=config.shutdown_timeout_s,  # type: ignore[arg-type]
         )
     )
     logger.warning(

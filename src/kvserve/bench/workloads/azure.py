@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import csv
 import math
+from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 
@@ -22,6 +23,28 @@ def _seconds(timestamp: str) -> float:
     return whole.timestamp() + (float("0." + fraction) if fraction else 0.0)
 
 
+@dataclass(frozen=True, slots=True)
+class AzureRow:
+    arrival_s: float  # since the trace's first request
+    context_tokens: int
+    generated_tokens: int
+
+
+def read_rows(path: Path, limit: int | None = None) -> list[AzureRow]:
+    """The trace's rows in file order (``TIMESTAMP``, ``ContextTokens``,
+    ``GeneratedTokens``), arrivals relative to the first row."""
+    raw_rows: list[tuple[float, int, int]] = []
+    with path.open(newline="") as f:
+        for raw in csv.DictReader(f):
+            if limit is not None and len(raw_rows) >= limit:
+                break
+            raw_rows.append(
+                (_seconds(raw["TIMESTAMP"]), int(raw["ContextTokens"]), int(raw["GeneratedTokens"]))
+            )
+    start = raw_rows[0][0] if raw_rows else 0.0
+    return [AzureRow(t - start, context, generated) for t, context, generated in raw_rows]
+
+
 def load(
     path: Path,
     *,
@@ -34,23 +57,16 @@ def load(
     """``input_scale`` shrinks prompt lengths; ``max_tokens`` caps output lengths."""
     if input_scale <= 0:
         raise ValueError(f"input_scale must be > 0, got {input_scale}")
-    rows: list[tuple[float, int, int]] = []
-    with path.open(newline="") as f:
-        for raw in csv.DictReader(f):
-            if limit is not None and len(rows) >= limit:
-                break
-            rows.append(
-                (_seconds(raw["TIMESTAMP"]), int(raw["ContextTokens"]), int(raw["GeneratedTokens"]))
-            )
+    rows = read_rows(path, limit)
     maker = ContentMaker(mode, vocab)
-    start = rows[0][0] if rows else 0.0
 
     def to_spec(index: int) -> RequestSpec:
-        arrival, context, generated = rows[index]
-        length = max(1, math.ceil(context * input_scale))
+        row = rows[index]
+        length = max(1, math.ceil(row.context_tokens * input_scale))
+        generated = row.generated_tokens
         output = generated if max_tokens is None else min(generated, max_tokens)
         return RequestSpec(
-            arrival_s=arrival - start,
+            arrival_s=row.arrival_s,
             max_tokens=max(1, output),
             prompt=maker.block(f"azure:{path.name}:{index}", length),
         )

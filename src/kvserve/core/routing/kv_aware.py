@@ -213,20 +213,42 @@ class KvAwareRouting:
         now: float,
     ) -> KvAwareChoice:
         """Choose for a request whose reusable full blocks hash to ``block_hashes``, then
-        insert them speculatively on the chosen worker."""
+        expect its prefill on the chosen worker."""
+        choice = self.choose(workers, block_hashes, prompt_tokens, block_size, now)
+        self.expect_prefill(choice, block_hashes, prompt_tokens, now)
+        return choice
+
+    def choose(
+        self,
+        workers: Sequence[WorkerLoad],
+        block_hashes: Sequence[int],
+        prompt_tokens: int,
+        block_size: int,
+        now: float,
+    ) -> KvAwareChoice:
+        """The worker with the smallest predicted TTFT; nothing is recorded."""
         worker_ids = [w.worker_id for w in workers]
         matches = self.index.match(block_hashes, worker_ids, now)
         queued = {w: self.queue.queued_s(w, now) for w in worker_ids}
         tie_key = block_hashes[-1] if block_hashes else prompt_tokens
-        choice = choose(workers, matches, queued, prompt_tokens, block_size, tie_key, self.config)
+        return choose(workers, matches, queued, prompt_tokens, block_size, tie_key, self.config)
+
+    def expect_prefill(
+        self, choice: KvAwareChoice, block_hashes: Sequence[int], prompt_tokens: int, now: float
+    ) -> None:
+        """The chosen worker computes the prompt's uncached part: queue it there and
+        expect its blocks there."""
         cached = choice.prediction.cached_tokens
         self.queue.push(
             choice.worker_id, self.config.prefill_s(prompt_tokens - cached, cached), now
         )
+        self.expect_blocks(choice.worker_id, block_hashes, now)
+
+    def expect_blocks(self, worker_id: str, block_hashes: Sequence[int], now: float) -> None:
+        """Insert ``block_hashes`` speculatively on ``worker_id`` until events confirm them
+        (a PD decode worker gets them from its prefill worker, computing nothing)."""
         if self.config.speculative_ttl_s > 0:
-            deadline = now + self.config.speculative_ttl_s
-            self.index.speculate(choice.worker_id, block_hashes, deadline)
-        return choice
+            self.index.speculate(worker_id, block_hashes, now + self.config.speculative_ttl_s)
 
     def forget_worker(self, worker_id: str) -> None:
         self.index.remove_worker(worker_id)

@@ -12,7 +12,9 @@ decode first (it holds the request for its whole life: room in its KV pool and i
 running requests matter; a prefix it already holds can make the prefill local), then,
 unless the prefill is predicted local, the prefill worker with the least predicted
 prefill time: the prefill tokens already queued on it plus this prompt's part that its
-cache does not hold. Ties go to fewer in-flight requests, then rotate.
+cache does not hold. Ties go to fewer in-flight requests, then rotate. This is the
+``cache_aware`` policy's pair rule; every policy has its own
+(:meth:`kvserve.core.routing.policy.Policy.select_pair`), built from the helpers here.
 """
 
 from __future__ import annotations
@@ -22,6 +24,11 @@ from dataclasses import dataclass
 
 from kvserve.core.routing.tie_breaking import Rotation
 from kvserve.core.routing.types import WorkerLoad
+
+PREFILL_POOL = "prefill"
+DECODE_POOL = "decode"
+# A decode worker with less than this fraction of its KV blocks reclaimable is avoided.
+MIN_DECODE_FREE_FRACTION = 0.05
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,6 +51,25 @@ def prefill_remotely(prompt_tokens: int, decode_cached_tokens: int, config: PDCo
     if uncached < config.min_remote_prefill_tokens:
         return False
     return decode_cached_tokens < config.local_hit_fraction * prompt_tokens
+
+
+def local_prefill_reason(
+    prompt_tokens: int, decode_cached_tokens: int, has_prefill_workers: bool, config: PDConfig
+) -> str | None:
+    """Why the decode worker prefills the prompt itself (None: a prefill worker should):
+    ``local_short``, ``local_cached`` or ``no_prefill_worker``."""
+    if not prefill_remotely(prompt_tokens, decode_cached_tokens, config):
+        short = prompt_tokens - decode_cached_tokens < config.min_remote_prefill_tokens
+        return "local_short" if short else "local_cached"
+    return None if has_prefill_workers else "no_prefill_worker"
+
+
+def with_room(
+    decodes: Sequence[WorkerLoad], min_free_fraction: float = MIN_DECODE_FREE_FRACTION
+) -> Sequence[WorkerLoad]:
+    """The decode workers with KV room left, or all of them when none has."""
+    roomy = [w for w in decodes if w.kv_free_fraction >= min_free_fraction]
+    return roomy or decodes
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,16 +126,14 @@ def choose_pair(
     prompt_tokens: int,
     config: PDConfig,
     rotation: Rotation,
-    min_free_fraction: float = 0.05,
+    min_free_fraction: float = MIN_DECODE_FREE_FRACTION,
 ) -> PairChoice:
     """``decodes`` must be non-empty; ``prefills`` may be empty (then all is local)."""
     decode = choose_decode(decodes, min_free_fraction, rotation)
     cached = round(decode.matched_fraction * prompt_tokens)
-    if not prefill_remotely(prompt_tokens, cached, config):
-        short = prompt_tokens - cached < config.min_remote_prefill_tokens
-        return PairChoice(decode, None, 0.0, "local_short" if short else "local_cached")
-    if not prefills:
-        return PairChoice(decode, None, 0.0, "no_prefill_worker")
+    local = local_prefill_reason(prompt_tokens, cached, bool(prefills), config)
+    if local is not None:
+        return PairChoice(decode, None, 0.0, local)
     prefill = choose_prefill(prefills, prefill_matched_fraction, prompt_tokens)
     return PairChoice(
         decode, prefill, prefill_matched_fraction.get(prefill.worker_id, 0.0), "remote"

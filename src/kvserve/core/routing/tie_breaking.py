@@ -27,3 +27,12 @@ def least_loaded(workers: Sequence[WorkerLoad], rotation: Rotation) -> WorkerLoa
     """The least-loaded worker; ties rotate."""
     lightest = min(w.sort_key for w in workers)
     return rotation.pick([w for w in workers if w.sort_key == lightest])
+
+
+class PoolRotations(dict[str, Rotation]):
+    """One rotation per pool: a pair choice picks in two pools per request, and one
+    shared turn would then advance by two each time and pin ties to the same workers."""
+
+    def __missing__(self, pool: str) -> Rotation:
+        rotation = self[pool] = Rotation()
+        return rotation

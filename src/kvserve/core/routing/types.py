@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -18,6 +18,9 @@ class WorkerLoad:
     worker_id: str
     in_flight_requests: int = 0
     in_flight_prefill_tokens: int = 0
+    # Reclaimable KV blocks (free + cached) over all, as a decode worker last reported
+    # them: what a pair choice needs to avoid a decode worker that has no room left.
+    kv_free_fraction: float = 1.0
 
     @property
     def sort_key(self) -> tuple[int, int]:
@@ -26,12 +29,25 @@ class WorkerLoad:
 
 
 @dataclass(frozen=True, slots=True)
+class PromptBlocks:
+    """A prompt as a worker's prefix cache sees it: its length in tokens and the hashes
+    of its full blocks before the last token (the last token is always computed)."""
+
+    num_tokens: int
+    reusable_hashes: Sequence[int]
+    block_size: int
+
+
+@dataclass(frozen=True, slots=True)
 class RouteQuery:
     """The parts of a request that policies look at.
 
     ``text`` is the prompt as the router sees it (no tokenizer: characters), ``pool`` and
     ``model`` select the policy state so that one pool's history never steers another's.
-    ``body`` is the request itself, for policies that tokenize it (kv_aware).
+    ``body`` is the request itself, which the router hashes into ``blocks`` for the
+    policies that read them (kv_aware); the simulator fills ``blocks`` from its trace.
+    ``blocks`` is None without a tokenizer, before a worker told the block size, or for
+    a body the worker would refuse.
     """
 
     text: str
@@ -40,6 +56,7 @@ class RouteQuery:
     session_key: str | None = None
     prefill_tokens: int = 0
     body: Mapping[str, Any] | None = field(default=None, compare=False, repr=False)
+    blocks: PromptBlocks | None = field(default=None, compare=False, repr=False)
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,3 +74,15 @@ class RoutingDecision:
 
     def header_value(self) -> str:
         return f"policy={self.policy}; reason={self.reason}; matched={self.matched_fraction:.3f}"
+
+
+@dataclass(frozen=True, slots=True)
+class PairDecision(RoutingDecision):
+    """A prefill/decode pair: the decode worker answers, the prefill worker (None: the
+    decode worker prefills locally) computes the prompt's KV. ``matched_fraction`` is
+    the prompt's part predicted cached where it is prefilled."""
+
+    prefill_worker_id: str | None = None
+
+    def header_value(self) -> str:
+        return f"{RoutingDecision.header_value(self)}; prefill={self.prefill_worker_id or 'local'}"

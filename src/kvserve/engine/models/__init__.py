@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from kvserve.engine.model_config import SUPPORTED_ARCHITECTURES
 from kvserve.engine.models.llama import LlamaFamilyModel
+from kvserve.model_folder.config import SUPPORTED_ARCHITECTURES
 
 # Every supported architecture is a Llama-family decoder; flags carry the differences.
 MODEL_CLASSES: dict[str, type[LlamaFamilyModel]] = dict.fromkeys(

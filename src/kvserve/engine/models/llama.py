@@ -17,9 +17,9 @@ import torch.nn.functional as F
 from kvserve.engine.attention import StepLayout, paged_attention
 from kvserve.engine.decode_rows import DecodeRows
 from kvserve.engine.kv_pool import KVPool
-from kvserve.engine.model_config import ModelConfig
 from kvserve.engine.models.rope import RotaryTable, apply_rotary
 from kvserve.engine.weights import CheckpointTensors
+from kvserve.model_folder.config import ModelConfig
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -10,7 +10,7 @@ import math
 
 import torch
 
-from kvserve.engine.model_config import RopeConfig
+from kvserve.model_folder.config import RopeConfig
 
 
 def _base_inv_freq(theta: float, dim: int) -> torch.Tensor:

@@ -1,5 +1,34 @@
-"""The shared storage tier of KV blocks: one small interface, file and Redis backends."""
+"""The shared storage tier of KV blocks: one small interface (:mod:`.base`), and the
+built-in backends registered here: a directory (``file:DIR``) and Redis
+(``redis://host:port[/db]``). Each is imported only when a worker opens it."""
 
-from kvserve.engine.storage.base import KVStorage, StorageError, open_storage
+from pathlib import Path
 
-__all__ = ["KVStorage", "StorageError", "open_storage"]
+from kvserve.engine.storage.base import (
+    KVStorage,
+    StorageError,
+    StorageOptions,
+    open_storage,
+    register_backend,
+)
+
+__all__ = ["KVStorage", "StorageError", "open_storage", "register_backend"]
+
+
+def _open_file(url: str, namespace: str, options: StorageOptions) -> KVStorage:
+    from kvserve.engine.storage.file_backend import FileStorage
+
+    directory = url.removeprefix("file:")
+    if not directory:
+        raise ValueError("file storage needs a directory: file:DIR")
+    return FileStorage(Path(directory), namespace, max_bytes=options.max_bytes)
+
+
+def _open_redis(url: str, namespace: str, options: StorageOptions) -> KVStorage:
+    from kvserve.engine.storage.redis_backend import RedisStorage
+
+    return RedisStorage(url, namespace)
+
+
+register_backend("file", "file:DIR", _open_file)
+register_backend("redis", "redis://host:port", _open_redis)

@@ -11,6 +11,7 @@ redis-py reconnects on the next call once the server is back.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import cast
 
 import redis
 
@@ -49,7 +50,9 @@ class RedisStorage(KVStorage):
         if not keys:
             return []
         try:
-            return list(self._client.mget([self._name(key) for key in keys]))
+            values = self._client.mget([self._name(key) for key in keys])
+            # Bytes: the client does not decode responses (redis-py's types cannot say so).
+            return cast("list[bytes | None]", values)
         except redis.RedisError as error:
             raise StorageError(f"redis get: {error}") from error
 

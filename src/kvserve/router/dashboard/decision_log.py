@@ -8,7 +8,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 
-from kvserve.core.routing.types import RoutingDecision
+from kvserve.core.routing.types import PairDecision, RoutingDecision
 
 DEFAULT_CAPACITY = 50
 
@@ -35,7 +35,9 @@ class DecisionLog:
                 "policy": decision.policy,
                 "reason": decision.reason,
                 "matched_fraction": decision.matched_fraction,
-                "prefill_worker": getattr(decision, "prefill_worker_id", None),
+                "prefill_worker": (
+                    decision.prefill_worker_id if isinstance(decision, PairDecision) else None
+                ),
             }
             for at, decision in reversed(self._ring)
         ]

@@ -14,9 +14,9 @@ from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 from transformers import AutoTokenizer
 
-from kvserve.engine.model_config import ModelLoadError
 from kvserve.engine.tiny_model import ARCHES, training_corpus
-from kvserve.engine.tokenizer import Tokenizer
+from kvserve.model_folder.errors import ModelLoadError
+from kvserve.model_folder.tokenizer import Tokenizer
 
 TEXTS = (
     "The quick brown fox jumps over the lazy dog.",
@@ -156,7 +156,7 @@ def test_tokenizer_module_does_not_need_torch(tiny_model_dir):
     """The router imports the tokenizer and chat template without torch installed."""
     code = (
         "import sys; sys.modules['torch'] = None\n"
-        "from kvserve.engine.tokenizer import Tokenizer\n"
+        "from kvserve.model_folder.tokenizer import Tokenizer\n"
         f"print(len(Tokenizer({str(tiny_model_dir)!r}).encode_chat("
         "[{'role': 'user', 'content': 'hi'}])))"
     )

@@ -37,7 +37,7 @@ class _GenerationTag(Extension):
         return nodes.CallBlock(self.call_method("_render"), [], [], body).set_lineno(lineno)
 
     def _render(self, caller: Any) -> str:
-        return caller()
+        return str(caller())
 
 
 def _raise_exception(message: str) -> None:

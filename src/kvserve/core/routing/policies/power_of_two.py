@@ -1,12 +1,16 @@
-"""The lighter of two random workers: near-least-loaded balance at O(1) cost."""
+"""The lighter of two random workers: near-least-loaded balance at O(1) cost.
+
+Pair rule: the default (:meth:`~kvserve.core.routing.policy.Policy.select_pair`): the
+lighter of two decode workers with KV room, then the lighter of two prefill workers.
+"""
 
 from __future__ import annotations
 
 import random
 from collections.abc import Sequence
 
+from kvserve.core.routing.policy import Policy
 from kvserve.core.routing.types import RouteQuery, RoutingDecision, WorkerLoad
-from kvserve.router.policies.base import Policy
 
 
 class PowerOfTwoPolicy(Policy):

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from kvserve.engine.model_config import ModelConfig, ModelLoadError
+from kvserve.model_folder.config import ModelConfig
+from kvserve.model_folder.errors import ModelLoadError
 
 BASE = {
     "architectures": ["LlamaForCausalLM"],

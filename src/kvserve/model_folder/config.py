@@ -13,9 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-
-class ModelLoadError(ValueError):
-    """A model folder cannot be used; the message is one line naming what is wrong."""
+from kvserve.model_folder.errors import ModelLoadError
 
 
 @dataclass(frozen=True, slots=True)
@@ -132,7 +130,7 @@ def _architecture(raw: dict[str, Any], source: str) -> str:
     names = raw.get("architectures") or []
     for name in names:
         if name in _FAMILIES:
-            return name
+            return str(name)
     shown = ", ".join(names) if names else "none given"
     raise ModelLoadError(
         f"{source}: unsupported architecture ({shown}); supported: "

@@ -12,8 +12,9 @@ from typing import Any
 
 from tokenizers import Tokenizer as HFTokenizer
 
-from kvserve.engine.chat_template import render_chat_template, select_template
-from kvserve.engine.model_config import ModelLoadError, read_json, token_id_list
+from kvserve.model_folder.chat_template import render_chat_template, select_template
+from kvserve.model_folder.config import read_json, token_id_list
+from kvserve.model_folder.errors import ModelLoadError
 
 _SPECIAL_TOKEN_FIELDS = (
     "bos_token",
@@ -32,8 +33,8 @@ _DETOKENIZE_CONTEXT = 6
 def _token_text(value: Any) -> str | None:
     """tokenizer_config writes a special token as a string or as an AddedToken dict."""
     if isinstance(value, dict):
-        return value.get("content")
-    return value
+        value = value.get("content")
+    return value if isinstance(value, str) else None
 
 
 class Tokenizer:
@@ -88,7 +89,8 @@ class Tokenizer:
         the router's event loop keeps serving while a long prompt is tokenized (a Python
         worker thread calling ``encode`` still stalls it)."""
         encoding = await self._tokenizer.async_encode(text, add_special_tokens=add_special_tokens)
-        return encoding.ids
+        ids: list[int] = encoding.ids
+        return ids
 
     def decode(self, token_ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
         return self._tokenizer.decode(list(token_ids), skip_special_tokens=skip_special_tokens)

@@ -1,12 +1,16 @@
-"""A uniformly random worker: stateless, and the floor for cache hit rate."""
+"""A uniformly random worker: stateless, and the floor for cache hit rate.
+
+Pair rule: the default (:meth:`~kvserve.core.routing.policy.Policy.select_pair`): a
+random decode worker with KV room, then a random prefill worker.
+"""
 
 from __future__ import annotations
 
 import random
 from collections.abc import Sequence
 
+from kvserve.core.routing.policy import Policy
 from kvserve.core.routing.types import RouteQuery, RoutingDecision, WorkerLoad
-from kvserve.router.policies.base import Policy
 
 
 class RandomPolicy(Policy):

@@ -1,9 +1,10 @@
-"""The KV transfer over TCP: a prefill worker's server and a decode worker's client.
+"""The default KV transfer, over TCP: a prefill worker's server and a decode worker's client.
 
-The decode worker connects, asks for a prompt's blocks (:mod:`pd_wire`), and installs
-each run as it arrives; the prefill worker computes the prompt on its engine thread and
-writes each run of blocks as soon as the engine hands it over, so the network works
-while later chunks compute. The connection is the transfer's lifetime: when the decode
+The decode worker learns the prefill worker's transfer address from its ``/pd/info``,
+connects, asks for a prompt's blocks (:mod:`pd_wire`), and installs each run as it
+arrives; the prefill worker computes the prompt on its engine thread and writes each run
+of blocks as soon as the engine hands it over, so the network works while later chunks
+compute. The connection is the transfer's lifetime: when the decode
 side hangs up (client gone, lease lapsed, decode worker dead) the prefill worker drops
 the export at once, and when the prefill side dies the decode worker sees the
 connection end and stops waiting.
@@ -13,27 +14,30 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import logging
-from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+import aiohttp
 import torch
 
 from kvserve.core.sampling_params import InvalidParameterError
 from kvserve.engine.kv_block_io import KVBlockLayout, from_bytes, payload_view
+from kvserve.engine.pd_export import start_export
 from kvserve.worker.async_engine import AsyncEngine
+from kvserve.worker.kv_transfer import InstallRun, KVTransferError
 from kvserve.worker.pd_wire import ProtocolError, frame_prefix, read_frame
 
-logger = logging.getLogger(__name__)
+if TYPE_CHECKING:
+    from kvserve.engine.llm_engine import LLMEngine
 
-Install = Callable[[int, torch.Tensor], Awaitable[None]]
-TRANSFER_ERRORS = (
+_TRANSFER_ERRORS = (
     OSError,  # refused, reset, unreachable
     asyncio.IncompleteReadError,  # the peer hung up mid-frame
     TimeoutError,
     ProtocolError,
     ValueError,  # a layout mismatch, a run that does not fit the reservation
     RuntimeError,  # the prefill side's error frame, a lapsed lease
+    aiohttp.ClientError,  # the prefill worker's /pd/info
+    KeyError,  # a /pd/info without a transfer address
 )
 
 
@@ -58,20 +62,25 @@ class _QueueSink:
         self._loop.call_soon_threadsafe(self._queue.put_nowait, ("error", message))
 
 
-class PrefillTransferServer:
-    """Serves exports of the engine behind ``bridge`` (a ``PDEngine``) to decode workers."""
+class TCPKVSender:
+    """Serves exports of the engine behind ``bridge`` (built with a ``PDExporter``) to
+    decode workers, on a free port of ``host``."""
 
-    def __init__(self, bridge: AsyncEngine, layout: KVBlockLayout) -> None:
+    def __init__(self, bridge: AsyncEngine, layout: KVBlockLayout, host: str) -> None:
         self._bridge = bridge
         self._layout = layout
+        self._host = host
         self._server: asyncio.Server | None = None
         self._connections: set[asyncio.Task[Any]] = set()
         self._export_ids = itertools.count()
         self.port = 0
 
-    async def start(self, host: str, port: int = 0) -> None:
-        self._server = await asyncio.start_server(self._serve, host, port)
+    async def start(self) -> None:
+        self._server = await asyncio.start_server(self._serve, self._host, 0)
         self.port = self._server.sockets[0].getsockname()[1]
+
+    def info(self) -> dict[str, Any]:
+        return {"transfer_host": self._host, "transfer_port": self.port}
 
     async def close(self) -> None:
         """Stop listening and cancel every transfer (their exports are dropped)."""
@@ -99,9 +108,11 @@ class PrefillTransferServer:
                 header["first_block"],
                 header["num_blocks"],
             )
-            await self._bridge.call(
-                lambda engine: engine.start_export(export_id, token_ids, first, count, sink)
-            )
+
+            def start(engine: LLMEngine) -> None:
+                start_export(engine, export_id, token_ids, first, count, sink)
+
+            await self._bridge.call(start)
             exporting = True
             exporting = await self._relay(queue, reader, writer)
         except (InvalidParameterError, ProtocolError, ValueError, KeyError, TypeError) as exc:
@@ -158,18 +169,63 @@ async def _send_quietly(writer: asyncio.StreamWriter, data: bytes) -> None:
         pass
 
 
-async def fetch_blocks(
+class TCPKVReceiver:
+    """Fetches blocks from prefill workers, whose transfer addresses it learns from their
+    ``/pd/info`` by URL. ``frame_timeout_s`` bounds the wait for each frame (a stalled
+    prefill worker fails the transfer, as a lapsed lease would)."""
+
+    def __init__(
+        self, layout: KVBlockLayout, frame_timeout_s: float, info_timeout_s: float = 5.0
+    ) -> None:
+        self._layout = layout
+        self._frame_timeout_s = frame_timeout_s
+        self._info_timeout = aiohttp.ClientTimeout(total=info_timeout_s)
+        self._addresses: dict[str, tuple[str, int]] = {}
+
+    async def fetch(
+        self,
+        prefill_url: str,
+        token_ids: list[int],
+        first_block: int,
+        num_blocks: int,
+        install: InstallRun,
+    ) -> int:
+        try:
+            address = await self._address(prefill_url)
+            return await _fetch_blocks(
+                address, self._layout, token_ids, first_block, num_blocks, install,
+                self._frame_timeout_s,
+            )  # fmt: skip
+        except _TRANSFER_ERRORS as exc:
+            self._addresses.pop(prefill_url, None)  # it may have restarted on another port
+            raise KVTransferError(f"KV transfer from {prefill_url} failed: {exc!r}") from exc
+
+    async def _address(self, url: str) -> tuple[str, int]:
+        known = self._addresses.get(url)
+        if known is not None:
+            return known
+        async with (
+            aiohttp.ClientSession(timeout=self._info_timeout) as session,
+            session.get(url.rstrip("/") + "/pd/info") as response,
+        ):
+            response.raise_for_status()
+            info = await response.json()
+        address = self._addresses[url] = (str(info["transfer_host"]), int(info["transfer_port"]))
+        return address
+
+
+async def _fetch_blocks(
     address: tuple[str, int],
     layout: KVBlockLayout,
     token_ids: list[int],
     first_block: int,
     num_blocks: int,
-    install: Install,
+    install: InstallRun,
     frame_timeout_s: float,
 ) -> int:
     """Have the prefill worker at ``address`` compute blocks ``[0, num_blocks)`` of the
     prompt and install ``[first_block, num_blocks)`` as they come; returns the prompt
-    tokens its cache served. Raises one of :data:`TRANSFER_ERRORS` on any failure."""
+    tokens its cache served."""
     reader, writer = await asyncio.wait_for(asyncio.open_connection(*address), frame_timeout_s)
     try:
         request = {

@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 from transformers import AutoTokenizer
 
-from kvserve.engine.chat_template import ChatTemplateError, render_chat_template
 from kvserve.engine.tiny_model import ARCHES
-from kvserve.engine.tokenizer import Tokenizer
+from kvserve.model_folder.chat_template import ChatTemplateError, render_chat_template
+from kvserve.model_folder.tokenizer import Tokenizer
 
 WEATHER_TOOL = {
     "type": "function",

@@ -1,0 +1,100 @@
+"""Cache-aware routing over an approximate prefix tree learned from routing history.
+
+See :mod:`kvserve.core.routing.cache_aware` for the rule and how it departs from the
+established gateways (ties by load, rotation on a miss, one budget, one tree per pool
+and model).
+
+Pair rule (:mod:`kvserve.core.routing.pd_pair`'s ``choose_pair``), each pool with its
+own tree: the decode worker with KV room, then fewer in-flight requests, then the deeper
+match in the decode pool's tree; local prefill when that match covers most of the prompt
+or the prompt is short; else the prefill worker with the least predicted prefill time
+(queued prefill tokens + the part its pool's tree does not hold).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from kvserve.core.routing.cache_aware import CacheAwareConfig, CacheAwareIndex, choose
+from kvserve.core.routing.pd_pair import (
+    DECODE_POOL,
+    PREFILL_POOL,
+    DecodeCandidate,
+    PDConfig,
+    choose_pair,
+)
+from kvserve.core.routing.policy import Policy
+from kvserve.core.routing.tie_breaking import PoolRotations
+from kvserve.core.routing.types import PairDecision, RouteQuery, RoutingDecision, WorkerLoad
+
+
+class CacheAwarePolicy(Policy):
+    name = "cache_aware"
+
+    def __init__(self, config: CacheAwareConfig, now: float) -> None:
+        self._config = config
+        self._index = CacheAwareIndex(config, now)
+        self._rotations = PoolRotations()
+
+    @property
+    def index(self) -> CacheAwareIndex:
+        return self._index
+
+    def select(
+        self, query: RouteQuery, workers: Sequence[WorkerLoad], now: float
+    ) -> RoutingDecision:
+        self._index.maybe_trim(now)
+        tree = self._index.tree(query.pool, query.model)
+        choice = choose(
+            workers,
+            tree.match(query.text),
+            len(query.text),
+            self._config,
+            self._rotations[query.pool],
+        )
+        tree.insert(query.text, choice.worker.worker_id, now)
+        return RoutingDecision(
+            choice.worker.worker_id, self.name, choice.reason, choice.matched_fraction
+        )
+
+    def select_pair(
+        self,
+        query: RouteQuery,
+        decodes: Sequence[WorkerLoad],
+        prefills: Sequence[WorkerLoad],
+        now: float,
+        pd: PDConfig,
+    ) -> PairDecision:
+        self._index.maybe_trim(now)
+        decode_tree = self._index.tree(DECODE_POOL, query.model)
+        prefill_tree = self._index.tree(PREFILL_POOL, query.model)
+        text_chars = max(1, len(query.text))
+        decode_matched = decode_tree.match(query.text)
+        prefill_matched = {w: c / text_chars for w, c in prefill_tree.match(query.text).items()}
+        candidates = [
+            DecodeCandidate(w, w.kv_free_fraction, decode_matched.get(w.worker_id, 0) / text_chars)
+            for w in decodes
+        ]
+        pair = choose_pair(
+            candidates,
+            prefills,
+            prefill_matched,
+            query.prefill_tokens,
+            pd,
+            self._rotations[DECODE_POOL],
+        )
+        decode_id = pair.decode.load.worker_id
+        decode_tree.insert(query.text, decode_id, now)
+        if pair.prefill is None:
+            return PairDecision(decode_id, self.name, pair.reason, pair.decode.matched_fraction)
+        prefill_tree.insert(query.text, pair.prefill.worker_id, now)
+        return PairDecision(
+            decode_id,
+            self.name,
+            pair.reason,
+            pair.prefill_matched_fraction,
+            pair.prefill.worker_id,
+        )
+
+    def forget_worker(self, worker_id: str) -> None:
+        self._index.forget_worker(worker_id)

@@ -1,0 +1,79 @@
+"""The one interface every routing policy implements, driven alike by the router, its PD
+proxy and the simulator.
+
+A policy is pure: no I/O, the time is passed in. The router feeds it what it sees (loads
+from its guards, the prompt hashed by its preparation step, the workers' KV events read
+by its subscriber); the simulator feeds the same calls from a trace and its simulated
+workers, so one object makes the same decisions in both for the same inputs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from abc import ABC, abstractmethod
+from collections.abc import Iterable, Sequence
+from typing import ClassVar
+
+from kvserve.core.kv_events import KVEvent
+from kvserve.core.routing.pd_pair import (
+    DECODE_POOL,
+    PREFILL_POOL,
+    PDConfig,
+    local_prefill_reason,
+    with_room,
+)
+from kvserve.core.routing.types import PairDecision, RouteQuery, RoutingDecision, WorkerLoad
+
+
+class Policy(ABC):
+    """Selects a worker for a request (``select``) or a prefill/decode pair (``select_pair``).
+
+    ``workers`` (and ``decodes``) are non-empty and hold only workers that may take
+    traffic now; ``prefills`` may be empty.
+    """
+
+    name: ClassVar[str]
+    # Whether ``select`` reads ``RouteQuery.blocks`` (the router then hashes each prompt)
+    # and the workers' KV events (the router then follows every worker's stream).
+    reads_prompt_blocks: ClassVar[bool] = False
+    observes_kv_events: ClassVar[bool] = False
+
+    @abstractmethod
+    def select(
+        self, query: RouteQuery, workers: Sequence[WorkerLoad], now: float
+    ) -> RoutingDecision: ...
+
+    def select_pair(
+        self,
+        query: RouteQuery,
+        decodes: Sequence[WorkerLoad],
+        prefills: Sequence[WorkerLoad],
+        now: float,
+        pd: PDConfig,
+    ) -> PairDecision:
+        """The default pair rule: this policy's own ``select`` on the decode workers with
+        KV room (all of them if none has); the decode worker prefills locally when
+        :func:`~kvserve.core.routing.pd_pair.prefill_remotely` says the prompt is short
+        or mostly cached there (by the decode decision's matched fraction); else this
+        policy's ``select`` on the prefill pool picks the prefill worker."""
+        decode = self.select(dataclasses.replace(query, pool=DECODE_POOL), with_room(decodes), now)
+        cached = round(decode.matched_fraction * query.prefill_tokens)
+        local = local_prefill_reason(query.prefill_tokens, cached, bool(prefills), pd)
+        if local is not None:
+            return PairDecision(decode.worker_id, self.name, local, decode.matched_fraction)
+        prefill = self.select(dataclasses.replace(query, pool=PREFILL_POOL), prefills, now)
+        return PairDecision(
+            decode.worker_id, self.name, "remote", prefill.matched_fraction, prefill.worker_id
+        )
+
+    def observe_events(self, worker_id: str, events: Sequence[KVEvent]) -> None:  # noqa: B027
+        """Events of ``worker_id``'s KV stream, in order, none skipped (most policies
+        read none)."""
+
+    def observe_snapshot(  # noqa: B027
+        self, worker_id: str, tier: str, block_hashes: Iterable[int]
+    ) -> None:
+        """What ``worker_id`` holds in ``tier`` now, replacing what its events said."""
+
+    def forget_worker(self, worker_id: str) -> None:  # noqa: B027 - most keep no state
+        """Drop what the policy learned about a worker that left the fleet."""

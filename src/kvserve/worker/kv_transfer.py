@@ -1,0 +1,57 @@
+"""How KV blocks travel from a prefill worker to a decode worker: the interface.
+
+The prefill worker runs a :class:`KVTransferSender` while it serves: it accepts transfer
+requests from decode workers, starts each as an export on its engine
+(:func:`kvserve.engine.pd_export.start_export`) and sends the blocks as the engine hands
+them over. The decode worker's :class:`KVTransferReceiver` asks a prefill worker (known
+by its HTTP URL) for a prompt's blocks and installs each run as it arrives. Neither the
+engine nor its PD connectors know how the bytes travel: the TCP implementation
+(:mod:`kvserve.worker.tcp_kv_transfer`) is the default, and another (e.g. an RDMA
+transfer engine) implements these two classes and plugs in beside it
+(:func:`kvserve.worker.pd_api.transfer_for`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from typing import Any, Protocol
+
+import torch
+
+# Writes a run of received blocks (first block index, blocks) into the reservation.
+InstallRun = Callable[[int, torch.Tensor], Awaitable[None]]
+
+
+class KVTransferError(RuntimeError):
+    """The transfer failed (peer unreachable, gone, stalled or refusing; a run that does
+    not fit the reservation): the decode worker prefills the prompt itself."""
+
+
+class KVTransferSender(Protocol):
+    """A prefill worker's side; runs on the worker's event loop."""
+
+    async def start(self) -> None:
+        """Start accepting transfers."""
+
+    async def close(self) -> None:
+        """Stop accepting; cancel every transfer (their exports are dropped)."""
+
+    def info(self) -> dict[str, Any]:
+        """What ``/pd/info`` tells decode workers about reaching this sender."""
+
+
+class KVTransferReceiver(Protocol):
+    """A decode worker's side; runs on the worker's event loop."""
+
+    async def fetch(
+        self,
+        prefill_url: str,
+        token_ids: list[int],
+        first_block: int,
+        num_blocks: int,
+        install: InstallRun,
+    ) -> int:
+        """Have the prefill worker at ``prefill_url`` compute blocks ``[0, num_blocks)`` of
+        the prompt and ``install`` ``[first_block, num_blocks)`` in order as they come;
+        returns the prompt tokens its cache served. Raises :class:`KVTransferError` on
+        any failure; cancelling the call cancels the transfer."""
