@@ -162,6 +162,9 @@ def test_dashboard_shows_what_metrics_say(fleet: Fleet, browser: Browser, tmp_pa
     )
     try:
         page = context.new_page()
+        script_errors: list[str] = []
+        page.on("pageerror", lambda error: script_errors.append(str(error)))
+        page.on("console", lambda m: script_errors.append(m.text) if m.type == "error" else None)
         page.goto(fleet.router.url + "/dashboard")
         served = []
         for question in ("What is a block?", "What is a tier?", "Why route by prefix?"):
@@ -180,5 +183,6 @@ def test_dashboard_shows_what_metrics_say(fleet: Fleet, browser: Browser, tmp_pa
         screenshot = Path(os.environ.get("KVSERVE_DASHBOARD_SCREENSHOT", tmp_path / "dash.png"))
         page.screenshot(path=str(screenshot), full_page=True)
         assert screenshot.stat().st_size > 10_000
+        assert not script_errors
     finally:
         context.close()
