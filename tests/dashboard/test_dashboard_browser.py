@@ -16,10 +16,12 @@ import httpx
 import pytest
 from playwright.sync_api import Browser, Page, sync_playwright
 
+from kvserve.router.dashboard.quantile import histogram_quantile
 from tests.dashboard.conftest import ADMIN_KEY, HOST_CACHE_BLOCKS, Fleet
 from tests.support.metrics_text import by_label, samples
 from tests.worker.worker_process import AUTH, served_model
 
+Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
 RENDER_TIMEOUT_MS = 20_000
 PREFIXES = [  # two long shared prompts: cache_aware keeps each on the worker that has it
     "The fleet shares this long system prompt about key-value caches. " * 8,
@@ -84,6 +86,20 @@ def _wait_for_renders(page: Page, count: int) -> None:
     )
 
 
+def _ttft_buckets(router: Samples) -> dict[str, list[tuple[float, float]]]:
+    """The router's TTFT histogram per worker: (le, cumulative count), ascending."""
+    buckets: dict[str, list[tuple[float, float]]] = {}
+    for (name, labels), value in router.items():
+        if name == "kvserve_router_ttft_seconds_bucket":
+            label = dict(labels)
+            buckets.setdefault(label["worker"], []).append((float(label["le"]), value))
+    return {worker: sorted(pairs) for worker, pairs in buckets.items()}
+
+
+def _ms(seconds: float | None) -> str:
+    return "–" if seconds is None else f"{seconds * 1000:.1f}"
+
+
 def _expected(fleet: Fleet) -> dict[str, str]:
     """What the page must show, from ``/metrics`` now (formatted as the page does)."""
     router = samples(fleet.router.url + "/metrics")
@@ -92,6 +108,7 @@ def _expected(fleet: Fleet) -> dict[str, str]:
     prefill = by_label(router, "kvserve_router_in_flight_prefill_tokens", "worker")
     ttft_sum = by_label(router, "kvserve_router_ttft_seconds_sum", "worker")
     ttft_count = by_label(router, "kvserve_router_ttft_seconds_count", "worker")
+    ttft_buckets = _ttft_buckets(router)
     expected: dict[str, str] = {}
     totals = {"used": 0.0, "cached": 0.0, "total": 0.0, "hit": 0.0, "queried": 0.0}
     for index, worker in enumerate(fleet.workers):
@@ -108,6 +125,7 @@ def _expected(fleet: Fleet) -> dict[str, str]:
             f"{wid}/requests": f"{requests.get(wid, 0):.0f}",
             f"{wid}/errors": "0",
             f"{wid}/ttft_mean_ms": f"{ttft_sum[wid] / ttft_count[wid] * 1000:.1f}",
+            f"{wid}/ttft_p99_ms": _ms(histogram_quantile(0.99, ttft_buckets[wid])),
             f"{wid}/running": f"{engine['kvserve_num_requests_running']:.0f}",
             f"{wid}/waiting": f"{engine['kvserve_num_requests_waiting']:.0f}",
             f"{wid}/blocks_used": f"{engine['kvserve_kv_blocks_used']:.0f}",
@@ -124,6 +142,8 @@ def _expected(fleet: Fleet) -> dict[str, str]:
         totals["total"] += engine["kvserve_kv_blocks_total"]
         totals["hit"] += hit
         totals["queried"] += queried
+    bounds = [le for le, _ in ttft_buckets["w0"]]
+    fleet_buckets = [(le, sum(dict(b)[le] for b in ttft_buckets.values())) for le in bounds]
     expected |= {
         "fleet/workers": f"{len(fleet.workers)} / {len(fleet.workers)}",
         "fleet/in_flight_requests": f"{sum(in_flight.values()):.0f}",
@@ -131,6 +151,8 @@ def _expected(fleet: Fleet) -> dict[str, str]:
         "fleet/requests": f"{sum(requests.values()):.0f}",
         "fleet/errors": "0",
         "fleet/ttft_mean_ms": f"{sum(ttft_sum.values()) / sum(ttft_count.values()) * 1000:.1f}",
+        "fleet/ttft_quantiles_ms": f"{_ms(histogram_quantile(0.5, fleet_buckets))} / "
+        f"{_ms(histogram_quantile(0.99, fleet_buckets))}",
         "fleet/blocks_used": f"{totals['used']:.0f} / {totals['total']:.0f}",
         "fleet/blocks_cached": f"{totals['cached']:.0f}",
         "fleet/hit_rate": f"{totals['hit'] / totals['queried'] * 100:.1f}%",
@@ -158,7 +180,7 @@ def _shown_once_settled(page: Page, fleet: Fleet) -> tuple[dict[str, str], dict[
 def test_dashboard_shows_what_metrics_say(fleet: Fleet, browser: Browser, tmp_path: Path) -> None:
     context = browser.new_context(
         http_credentials={"username": "operator", "password": ADMIN_KEY},
-        viewport={"width": 1440, "height": 900},
+        viewport={"width": 1600, "height": 900},
     )
     try:
         page = context.new_page()

@@ -28,6 +28,8 @@ def test_points_are_differences_of_consecutive_samples() -> None:
             "ttft_mean_s": 1.3 / 7,
             "generation_tokens": 130.0,  # the workers that reported tokens
             "tokens_per_s": 130.0 / 3,
+            "ttft_p50_s": None,  # these samples carry no TTFT buckets
+            "ttft_p99_s": None,
         }
     )
 
@@ -51,3 +53,18 @@ def test_samples_older_than_the_window_are_dropped() -> None:
     assert len(series["t"]) == 10  # type: ignore[arg-type]
     assert series["fleet"]["window"]["requests"] == 10.0  # type: ignore[index]
     assert History().series(["w0"])["fleet"]["window"] is None  # type: ignore[index]
+
+
+def test_window_quantiles_come_from_the_buckets_of_every_worker() -> None:
+    history = History(window_s=60)
+    empty = ((0.1, 0.0), (1.0, 0.0), (float("inf"), 0.0))
+    history.add(0.0, {"w0": Totals(ttft_buckets=empty), "w1": Totals(ttft_buckets=empty)})
+    w0 = ((0.1, 3.0), (1.0, 4.0), (float("inf"), 4.0))  # 3 under 100 ms, 1 under 1 s
+    w1 = ((0.1, 0.0), (1.0, 0.0), (float("inf"), 1.0))  # 1 over 1 s
+    history.add(1.0, {"w0": Totals(ttft_buckets=w0), "w1": Totals(ttft_buckets=w1)})
+    series = history.series(["w0", "w1"])
+    fleet = series["fleet"]["window"]  # type: ignore[index]
+    assert fleet["ttft_p50_s"] == pytest.approx(0.1 * 2.5 / 3)  # rank 2.5 of 5, first bucket
+    assert fleet["ttft_p99_s"] == 1.0  # in the +Inf bucket: the highest finite bound
+    w0_window = series["workers"]["w0"]["window"]  # type: ignore[index]
+    assert w0_window["ttft_p99_s"] == pytest.approx(0.1 + 0.9 * (3.96 - 3) / 1)

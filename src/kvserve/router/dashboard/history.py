@@ -9,18 +9,22 @@ from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from kvserve.router.dashboard.quantile import histogram_quantile
+
 DEFAULT_WINDOW_S = 300.0
 
 
 @dataclass(frozen=True, slots=True)
 class Totals:
     """One worker's cumulative counts at one sample. ``generation_tokens`` is what the
-    worker itself reported (None when it could not be read)."""
+    worker itself reported (None when it could not be read); ``ttft_buckets`` the
+    router's TTFT histogram, (le, cumulative count) ascending."""
 
     requests: float = 0.0
     ttft_sum_s: float = 0.0
     ttft_count: float = 0.0
     generation_tokens: float | None = None
+    ttft_buckets: tuple[tuple[float, float], ...] = ()
 
 
 def _delta(new: float, old: float) -> float:
@@ -29,11 +33,18 @@ def _delta(new: float, old: float) -> float:
 
 
 def _point(
-    new: Mapping[str, Totals], old: Mapping[str, Totals], seconds: float
+    new: Mapping[str, Totals],
+    old: Mapping[str, Totals],
+    seconds: float,
+    *,
+    quantiles: bool = False,
 ) -> dict[str, float | None]:
-    """Rates and mean TTFT between two samples over the workers present in both."""
+    """Rates and mean TTFT between two samples over the workers present in both, and with
+    ``quantiles`` TTFT p50 and p99 (only for the window: a few dozen additions per
+    worker, too many for every point of every series on every refresh)."""
     requests = ttft_sum = ttft_count = tokens = 0.0
     tokens_known = False
+    buckets: dict[float, float] = {}
     for worker_id, now in new.items():
         before = old.get(worker_id)
         if before is None:
@@ -44,13 +55,22 @@ def _point(
         if now.generation_tokens is not None and before.generation_tokens is not None:
             tokens += _delta(now.generation_tokens, before.generation_tokens)
             tokens_known = True
-    return {
+        if quantiles:
+            old_counts = dict(before.ttft_buckets)
+            for le, count in now.ttft_buckets:
+                buckets[le] = buckets.get(le, 0.0) + _delta(count, old_counts.get(le, 0.0))
+    point: dict[str, float | None] = {
         "requests": requests,
         "requests_per_s": requests / seconds if seconds > 0 else 0.0,
         "ttft_mean_s": ttft_sum / ttft_count if ttft_count else None,
         "generation_tokens": tokens if tokens_known else None,
         "tokens_per_s": tokens / seconds if tokens_known and seconds > 0 else None,
     }
+    if quantiles:
+        ascending = sorted(buckets.items())
+        point["ttft_p50_s"] = histogram_quantile(0.5, ascending)
+        point["ttft_p99_s"] = histogram_quantile(0.99, ascending)
+    return point
 
 
 class History:
@@ -80,7 +100,9 @@ class History:
             points = [_point(only(new), only(old), t1 - t0) for (t0, old), (t1, new) in pairs]
             window = None
             if pairs:
-                window = _point(only(samples[-1][1]), only(samples[0][1]), self.span_s())
+                window = _point(
+                    only(samples[-1][1]), only(samples[0][1]), self.span_s(), quantiles=True
+                )
             return {
                 "requests_per_s": [p["requests_per_s"] for p in points],
                 "ttft_mean_s": [p["ttft_mean_s"] for p in points],

@@ -18,6 +18,7 @@ class WorkerCounts:
     retries: float = 0.0
     ttft_sum_s: float = 0.0
     ttft_count: float = 0.0
+    ttft_buckets: dict[float, float] = field(default_factory=dict)  # le -> cumulative count
 
     @property
     def requests(self) -> float:
@@ -54,6 +55,8 @@ def read_router_figures(registry: CollectorRegistry) -> RouterFigures:
                     figures.workers[worker].retries = sample.value
                 case "kvserve_router_ttft_seconds_sum":
                     figures.workers[worker].ttft_sum_s = sample.value
+                case "kvserve_router_ttft_seconds_bucket":
+                    figures.workers[worker].ttft_buckets[float(labels["le"])] = sample.value
                 case "kvserve_router_ttft_seconds_count":
                     figures.workers[worker].ttft_count = sample.value
                 case "kvserve_router_decisions_total":

@@ -55,6 +55,7 @@ class FleetSampler:
                 requests=counts.requests,
                 ttft_sum_s=counts.ttft_sum_s,
                 ttft_count=counts.ttft_count,
+                ttft_buckets=tuple(sorted(counts.ttft_buckets.items())),
                 generation_tokens=None if report is None else report.generation_tokens,
             )
         self.history.add(self._clock(), totals)

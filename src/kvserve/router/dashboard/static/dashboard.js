@@ -47,6 +47,7 @@ function renderFleet(data) {
     card("requests / s", fixed(window.requests_per_s, 2), "requests_per_s"),
     card("tokens / s", fixed(window.tokens_per_s, 1), "tokens_per_s"),
     card("TTFT mean ms", ms(window.ttft_mean_s), "ttft_mean_ms"),
+    card("TTFT p50 / p99 ms", `${ms(window.ttft_p50_s)} / ${ms(window.ttft_p99_s)}`, "ttft_quantiles_ms"),
     card("KV blocks used", `${int(kv.blocks.used)} / ${int(kv.blocks.total)}`, "blocks_used"),
     card("KV blocks cached", int(kv.blocks.cached), "blocks_cached"),
     card("prefix hit rate", percent(kv.prefix_cache.hit_rate), "hit_rate"),
@@ -71,6 +72,7 @@ function renderWorkers(data) {
     cell(int(worker.requests), "requests");
     cell(int(worker.errors), "errors");
     cell(ms(window.ttft_mean_s), "ttft_mean_ms");
+    cell(ms(window.ttft_p99_s), "ttft_p99_ms");
     cell(`${fixed(window.requests_per_s, 2)} · ${fixed(window.tokens_per_s, 1)}`, "throughput");
     cell(int(kv.running), "running");
     cell(int(kv.waiting), "waiting");
