@@ -33,7 +33,7 @@ def state(ledger):
     )
 
 
-def publish(ledger, path, parent_hash=None):
+def commit(ledger, path, parent_hash=None):
     """Allocate, insert and release a chain: cached, unpinned."""
     hashes = chain(path)
     if parent_hash is not None:
@@ -58,7 +58,7 @@ def test_allocating_more_than_exists_raises_and_changes_nothing():
 
 def test_allocation_counts_reclaimable_but_not_pinned_blocks():
     ledger = BlockLedger(4, 1)
-    publish(ledger, [1, 2])
+    commit(ledger, [1, 2])
     pinned = ledger.match(chain([1]))
     # 2 free + the leaf [1, 2]; [1] is pinned.
     with pytest.raises(OutOfBlocksError, match="2 free and 1 reclaimable"):
@@ -85,7 +85,7 @@ def test_freeing_twice_raises_double_free_and_rolls_back_the_call():
 
 def test_freeing_a_cached_or_unknown_block_is_refused():
     ledger = BlockLedger(4, 1)
-    _, (block,) = publish(ledger, [1])
+    _, (block,) = commit(ledger, [1])
     with pytest.raises(
         NotOwnedError, match=f"block {block} is cached: only owned blocks can be freed"
     ):
@@ -98,7 +98,7 @@ def test_freeing_a_cached_or_unknown_block_is_refused():
 
 def test_unpinning_a_block_not_pinned_raises_and_restores_the_other_pins():
     ledger = BlockLedger(4, 1)
-    hashes, blocks = publish(ledger, [1, 2])
+    hashes, blocks = commit(ledger, [1, 2])
     pinned = ledger.match(hashes[:1])
     before = state(ledger)
     with pytest.raises(NotPinnedError, match=f"block {blocks[1]} is not pinned"):
@@ -114,12 +114,12 @@ def test_unpinning_a_block_not_pinned_raises_and_restores_the_other_pins():
 
 def test_insert_refuses_blocks_it_does_not_own_and_unknown_parents():
     ledger = BlockLedger(6, 1)
-    _, (cached,) = publish(ledger, [1])
+    _, (cached,) = commit(ledger, [1])
     owned = ledger.allocate(2)
     before = state(ledger)
     with pytest.raises(NotOwnedError, match=f"block {cached} is cached"):
         ledger.insert(chain([5, 6]), [owned[0], cached])
-    with pytest.raises(NotOwnedError, match=f"block {owned[0]} is published twice"):
+    with pytest.raises(NotOwnedError, match=f"block {owned[0]} is committed twice"):
         ledger.insert(chain([5, 6]), [owned[0], owned[0]])
     with pytest.raises(NotCachedError, match="parent hash"):
         ledger.insert(chain([5, 6])[1:], owned[:1], chain([5])[0])
@@ -131,8 +131,8 @@ def test_insert_refuses_blocks_it_does_not_own_and_unknown_parents():
 
 def test_a_chain_contradicting_the_tree_is_refused_whole():
     ledger = BlockLedger(6, 1)
-    (h1,), _ = publish(ledger, [1])
-    (h2,), _ = publish(ledger, [2])
+    (h1,), _ = commit(ledger, [1])
+    (h2,), _ = commit(ledger, [2])
     owned = ledger.allocate(2)
     before = state(ledger)
     # h1 is cached at the root, so it cannot also follow a new block under h2.
@@ -146,7 +146,7 @@ def test_a_chain_contradicting_the_tree_is_refused_whole():
 def test_insert_pins_an_already_cached_lead_and_leaves_the_callers_copy_owned():
     ledger = BlockLedger(6, 1)
     hashes = chain([1, 2, 3])
-    _, (first,) = publish(ledger, [1])
+    _, (first,) = commit(ledger, [1])
     mine = ledger.allocate(3)
     assert ledger.insert(hashes, mine) == [first, mine[1], mine[2]]
     assert ledger.state_of(mine[0]) == "owned"
@@ -159,8 +159,8 @@ def test_insert_pins_an_already_cached_lead_and_leaves_the_callers_copy_owned():
 
 def test_eviction_takes_least_recently_released_leaves_and_then_their_parents():
     ledger = BlockLedger(8, 1)
-    a = publish(ledger, [1, 2])[0]  # released first
-    b = publish(ledger, [3])[0]
+    a = commit(ledger, [1, 2])[0]  # released first
+    b = commit(ledger, [3])[0]
     ledger.unpin(ledger.match(a[:1]))  # [1] used again: newer than [3] and [1, 2]
     seq = ledger.events.last_seq
     assert ledger.evict(2) == 2
@@ -174,7 +174,7 @@ def test_eviction_takes_least_recently_released_leaves_and_then_their_parents():
 
 def test_allocation_under_pressure_evicts_in_one_batch_with_one_event():
     ledger = BlockLedger(4, 1)
-    publish(ledger, [1, 2, 3])
+    commit(ledger, [1, 2, 3])
     seq = ledger.events.last_seq
     assert len(ledger.allocate(3)) == 3
     (event,) = ledger.events.since(seq)
@@ -185,8 +185,8 @@ def test_allocation_under_pressure_evicts_in_one_batch_with_one_event():
 
 def test_clear_keeps_pinned_blocks_and_says_cleared_only_when_empty():
     ledger = BlockLedger(6, 1)
-    kept = publish(ledger, [1, 2])[0]
-    publish(ledger, [3])
+    kept = commit(ledger, [1, 2])[0]
+    commit(ledger, [3])
     pinned = ledger.match(kept)
     assert ledger.clear() == 1
     assert ledger.events.since(ledger.events.last_seq - 1)[0].kind == "removed"
@@ -213,7 +213,7 @@ def test_clear_keeps_pinned_blocks_and_says_cleared_only_when_empty():
 )
 def test_check_detects_broken_invariants(corrupt):
     ledger = BlockLedger(6, 1)
-    publish(ledger, [1, 2])
+    commit(ledger, [1, 2])
     ledger.check()
     corrupt(ledger)
     with pytest.raises(AssertionError):

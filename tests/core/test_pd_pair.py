@@ -7,8 +7,8 @@ import pytest
 from kvserve.core.routing.pd_pair import (
     DecodeCandidate,
     PDConfig,
-    choose_pair,
     prefill_remotely,
+    select_pair_from_matches,
 )
 from kvserve.core.routing.tie_breaking import Rotation
 from kvserve.core.routing.types import WorkerLoad
@@ -32,9 +32,11 @@ def test_decode_with_room_and_fewer_requests_wins_then_the_deeper_match() -> Non
     idle = DecodeCandidate(WorkerLoad("d2", in_flight_requests=1))
     idle_holder = DecodeCandidate(WorkerLoad("d3", in_flight_requests=1), matched_fraction=0.5)
     prefills = [WorkerLoad("p0")]
-    choice = choose_pair([full, busy, idle], prefills, {}, 1000, CONFIG, Rotation())
+    choice = select_pair_from_matches([full, busy, idle], prefills, {}, 1000, CONFIG, Rotation())
     assert choice.decode is idle and choice.reason == "remote"
-    choice = choose_pair([full, busy, idle, idle_holder], prefills, {}, 1000, CONFIG, Rotation())
+    choice = select_pair_from_matches(
+        [full, busy, idle, idle_holder], prefills, {}, 1000, CONFIG, Rotation()
+    )
     assert choice.decode is idle_holder
 
 
@@ -43,27 +45,37 @@ def test_prefill_by_predicted_prefill_time_with_its_cache() -> None:
     queued = WorkerLoad("p0", in_flight_requests=1, in_flight_prefill_tokens=300)
     cold = WorkerLoad("p1")
     # p0 holds 90% of a 1000-token prompt: 300 queued + 100 to compute beats 1000 on p1.
-    choice = choose_pair(decodes, [queued, cold], {"p0": 0.9}, 1000, CONFIG, Rotation())
+    choice = select_pair_from_matches(
+        decodes, [queued, cold], {"p0": 0.9}, 1000, CONFIG, Rotation()
+    )
     assert choice.prefill is queued and choice.prefill_matched_fraction == 0.9
-    choice = choose_pair(decodes, [queued, cold], {"p0": 0.2}, 1000, CONFIG, Rotation())
+    choice = select_pair_from_matches(
+        decodes, [queued, cold], {"p0": 0.2}, 1000, CONFIG, Rotation()
+    )
     assert choice.prefill is cold
 
 
 def test_a_decode_holding_the_prompt_or_a_short_prompt_needs_no_prefill_worker() -> None:
     holder = [DecodeCandidate(WorkerLoad("d0"), matched_fraction=0.9)]
     prefills = [WorkerLoad("p0")]
-    held = choose_pair(holder, prefills, {}, 1000, CONFIG, Rotation())
+    held = select_pair_from_matches(holder, prefills, {}, 1000, CONFIG, Rotation())
     assert held.prefill is None and held.reason == "local_cached"
-    short = choose_pair([DecodeCandidate(WorkerLoad("d0"))], prefills, {}, 40, CONFIG, Rotation())
+    short = select_pair_from_matches(
+        [DecodeCandidate(WorkerLoad("d0"))], prefills, {}, 40, CONFIG, Rotation()
+    )
     assert short.prefill is None and short.reason == "local_short"
-    alone = choose_pair([DecodeCandidate(WorkerLoad("d0"))], [], {}, 1000, CONFIG, Rotation())
+    alone = select_pair_from_matches(
+        [DecodeCandidate(WorkerLoad("d0"))], [], {}, 1000, CONFIG, Rotation()
+    )
     assert alone.prefill is None and alone.reason == "no_prefill_worker"
 
 
 def test_ties_rotate_and_bad_settings_are_refused() -> None:
     decodes = [DecodeCandidate(WorkerLoad(f"d{i}")) for i in range(3)]
     rotation = Rotation()
-    picked = [choose_pair(decodes, [], {}, 1000, CONFIG, rotation).decode for _ in range(3)]
+    picked = [
+        select_pair_from_matches(decodes, [], {}, 1000, CONFIG, rotation).decode for _ in range(3)
+    ]
     assert {c.load.worker_id for c in picked} == {"d0", "d1", "d2"}
     with pytest.raises(ValueError):
         PDConfig(min_remote_prefill_tokens=-1)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvserve.core.routing.cache_aware import CacheAwareConfig, CacheAwareIndex, choose
+from kvserve.core.routing.cache_aware import CacheAwareConfig, CacheAwareIndex, select_worker
 from kvserve.core.routing.tie_breaking import Rotation
 from kvserve.core.routing.types import WorkerLoad
 
@@ -16,7 +16,7 @@ def _fleet(*requests: int) -> list[WorkerLoad]:
 
 
 def test_deepest_match_wins_above_threshold() -> None:
-    choice = choose(_fleet(0, 3, 0), {"w1": 80, "w2": 10}, 100, CONFIG, Rotation())
+    choice = select_worker(_fleet(0, 3, 0), {"w1": 80, "w2": 10}, 100, CONFIG, Rotation())
     assert (choice.worker.worker_id, choice.reason, choice.matched_fraction) == (
         "w1",
         "cache_hit",
@@ -32,19 +32,21 @@ def test_ties_among_deepest_holders_go_to_the_least_loaded() -> None:
         WorkerLoad("w3", 0),
     ]
     matched = {"w0": 90, "w1": 90, "w2": 90, "w3": 10}
-    choice = choose(fleet, matched, 100, CONFIG, Rotation())
+    choice = select_worker(fleet, matched, 100, CONFIG, Rotation())
     assert choice.worker.worker_id == "w1"  # fewest requests, then fewest prefill tokens
 
 
 def test_match_at_or_below_threshold_is_a_miss_to_the_least_loaded() -> None:
-    choice = choose(_fleet(4, 1, 2), {"w0": 30}, 100, CONFIG, Rotation())
+    choice = select_worker(_fleet(4, 1, 2), {"w0": 30}, 100, CONFIG, Rotation())
     assert (choice.worker.worker_id, choice.reason) == ("w1", "cache_miss")
     assert choice.matched_fraction == 0.0
 
 
 def test_misses_on_an_idle_fleet_rotate_instead_of_piling_on_one_worker() -> None:
     rotation = Rotation()
-    picks = [choose(_fleet(0, 0, 0), {}, 50, CONFIG, rotation).worker.worker_id for _ in range(6)]
+    picks = [
+        select_worker(_fleet(0, 0, 0), {}, 50, CONFIG, rotation).worker.worker_id for _ in range(6)
+    ]
     assert picks == ["w0", "w1", "w2", "w0", "w1", "w2"]
 
 
@@ -53,13 +55,13 @@ def test_misses_on_an_idle_fleet_rotate_instead_of_piling_on_one_worker() -> Non
     [((100, 10), True), ((74, 10), False), ((200, 150), False), ((65, 0), True)],
 )
 def test_imbalance_overrides_the_cache(loads: tuple[int, int], imbalanced: bool) -> None:
-    choice = choose(_fleet(*loads), {"w0": 100}, 100, CONFIG, Rotation())
+    choice = select_worker(_fleet(*loads), {"w0": 100}, 100, CONFIG, Rotation())
     assert choice.reason == ("load_imbalance" if imbalanced else "cache_hit")
     assert choice.worker.worker_id == ("w1" if imbalanced else "w0")
 
 
 def test_empty_prompt_is_a_miss() -> None:
-    assert choose(_fleet(0, 0), {}, 0, CONFIG, Rotation()).reason == "cache_miss"
+    assert select_worker(_fleet(0, 0), {}, 0, CONFIG, Rotation()).reason == "cache_miss"
 
 
 def test_config_rejects_nonsense() -> None:

@@ -25,7 +25,7 @@ def idle(*ids: str) -> list[WorkerLoad]:
 
 
 def test_holder_wins_on_an_idle_fleet() -> None:
-    choice = routing_with_holder().route(idle("w0", "w1", "w2"), HASHES, PROMPT, BLOCK, now=0.0)
+    choice = routing_with_holder().select(idle("w0", "w1", "w2"), HASHES, PROMPT, BLOCK, now=0.0)
     assert (choice.worker_id, choice.reason) == ("w0", "cache_hit")
     assert choice.prediction.cached_tokens == 10 * BLOCK
 
@@ -36,12 +36,12 @@ def test_holder_loses_when_its_queue_makes_it_slower() -> None:
     busy_holder = [WorkerLoad("w0", 1, 150), WorkerLoad("w1")]
     routing = routing_with_holder()
     routing.queue.push("w0", 150 * CONFIG.prefill_token_s, now=0.0)
-    assert routing.route(busy_holder, HASHES, PROMPT, BLOCK, now=0.0).worker_id == "w0"
+    assert routing.select(busy_holder, HASHES, PROMPT, BLOCK, now=0.0).worker_id == "w0"
 
     saturated = [WorkerLoad("w0", 3, 400), WorkerLoad("w1")]
     routing = routing_with_holder()
     routing.queue.push("w0", 400 * CONFIG.prefill_token_s, now=0.0)
-    choice = routing.route(saturated, HASHES, PROMPT, BLOCK, now=0.0)
+    choice = routing.select(saturated, HASHES, PROMPT, BLOCK, now=0.0)
     assert (choice.worker_id, choice.reason) == ("w1", "load_spread")
 
 
@@ -50,7 +50,7 @@ def test_queue_drains_with_time_and_guards_cap_it() -> None:
     routing.queue.push("w0", 1.0, now=0.0)
     assert routing.queue.queued_s("w0", now=0.4) == pytest.approx(0.6)
     # The router's guards say the work is done (first token came): no queue left.
-    choice = routing.route([WorkerLoad("w0"), WorkerLoad("w1")], HASHES, PROMPT, BLOCK, now=0.4)
+    choice = routing.select([WorkerLoad("w0"), WorkerLoad("w1")], HASHES, PROMPT, BLOCK, now=0.4)
     assert choice.worker_id == "w0"
 
 
@@ -58,16 +58,16 @@ def test_host_hits_cost_their_load_time() -> None:
     config = KvAwareConfig(prefill_token_s=1e-3, attention_pair_s=0.0, host_load_token_s=2e-3)
     routing = KvAwareRouting(config)
     routing.index.apply("w0", KVEvent(1, "stored", "host", tuple(HASHES), None))
-    choice = routing.route(idle("w0", "w1"), HASHES, PROMPT, BLOCK, now=0.0)
+    choice = routing.select(idle("w0", "w1"), HASHES, PROMPT, BLOCK, now=0.0)
     assert choice.worker_id == "w1"  # loading is slower than computing with these costs
 
 
 def test_a_burst_follows_the_first_request_then_speculation_expires() -> None:
     routing = KvAwareRouting(CONFIG)
     workers = idle("w0", "w1", "w2", "w3")
-    first = routing.route(workers, HASHES, PROMPT, BLOCK, now=0.0)
+    first = routing.select(workers, HASHES, PROMPT, BLOCK, now=0.0)
     assert first.reason == "cache_miss"
-    sibling = routing.route(workers, HASHES[:8], 8 * BLOCK + 3, BLOCK, now=0.5)
+    sibling = routing.select(workers, HASHES[:8], 8 * BLOCK + 3, BLOCK, now=0.5)
     assert sibling.worker_id == first.worker_id
     assert sibling.prediction.cached_tokens == 8 * BLOCK
     # No stored event confirmed it: after the TTL the prediction is gone.
@@ -89,7 +89,7 @@ def test_two_replicas_fed_the_same_events_make_the_same_choices() -> None:
     queries = [HASHES, list(range(500, 510)), [9, 8, 7], [], list(range(500, 530))]
     for hashes in queries:
         picks = {
-            r.route(workers, hashes, 16 * len(hashes) + 1, BLOCK, 0.0).worker_id for r in replicas
+            r.select(workers, hashes, 16 * len(hashes) + 1, BLOCK, 0.0).worker_id for r in replicas
         }
         assert len(picks) == 1
 
@@ -97,7 +97,7 @@ def test_two_replicas_fed_the_same_events_make_the_same_choices() -> None:
 def test_equal_predictions_go_to_the_less_loaded() -> None:
     routing = KvAwareRouting(CONFIG)
     workers = [WorkerLoad("w0", 5, 0), WorkerLoad("w1", 1, 0), WorkerLoad("w2", 3, 0)]
-    assert routing.route(workers, [1, 2], 40, BLOCK, now=0.0).worker_id == "w1"
+    assert routing.select(workers, [1, 2], 40, BLOCK, now=0.0).worker_id == "w1"
 
 
 def test_forgotten_worker_keeps_no_state() -> None:

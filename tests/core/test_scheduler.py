@@ -133,7 +133,7 @@ def test_prefix_of_a_finished_request_is_reused_with_exact_stats():
     assert second.num_cached_tokens == 8  # blocks [0..3], [4..7]; block 2 differs
     assert [(c.start, c.num_tokens) for c in output.chunks] == [(8, 8)]
     # A follow-up turn quoting the first answer hits the generated tokens too: 18 tokens,
-    # 17 computed, so 4 full blocks were published.
+    # 17 computed, so 4 full blocks were committed.
     follow_up = driver.add("c", [*first.token_ids, 5, 5, 5], max_tokens=2)
     driver.run()
     assert follow_up.num_cached_tokens == 16
@@ -197,7 +197,7 @@ def test_watermark_holds_back_admission_while_others_run():
 def test_a_request_that_matches_then_waits_for_room_counts_once():
     driver = Driver(num_blocks=6)
     driver.add("p", list(range(9)), max_tokens=1)
-    driver.run()  # publishes the blocks of tokens 0-3 and 4-7
+    driver.run()  # commits the blocks of tokens 0-3 and 4-7
     driver.add("a", list(range(100, 112)), max_tokens=5)
     driver.step()  # "a" holds 3 of the 4 free blocks, soon the 4th
     late = driver.add("b", [*range(8), *range(50, 58)], max_tokens=1)

@@ -120,7 +120,7 @@ def test_load_reports_the_queue_and_the_pool(engine):
     load = engine.load()
     assert (load["running"], load["waiting"], load["prefill_tokens"]) == (1, 0, 0)
     assert load["free_blocks"] == 128 - 5 and load["cached_blocks"] == 5
-    assert engine.events.last_seq > 0  # publishing the blocks emitted events
+    assert engine.events.last_seq > 0  # committing the blocks emitted events
 
 
 @pytest.mark.parametrize(

@@ -17,7 +17,7 @@ from kvserve.engine.kv_block_io import KVBlockLayout
 from kvserve.engine.llm_engine import LLMEngine
 from kvserve.engine.pd_export import PDExporter
 from kvserve.engine.pd_import import PDImporter, pd_importer
-from kvserve.worker.async_engine import AsyncEngine
+from kvserve.worker.engine_bridge import EngineBridge
 from kvserve.worker.engine_state import probe_engine
 from kvserve.worker.kv_transfer import KVTransferError
 from kvserve.worker.tcp_kv_transfer import TCPKVReceiver, TCPKVSender
@@ -43,7 +43,7 @@ async def prefill_url(tiny_model_dir: Path) -> AsyncIterator[str]:
     torch.set_num_threads(1)
     engine = LLMEngine(tiny_model_dir, max_num_batched_tokens=12, connectors=[PDExporter],
                        **OPTIONS)  # fmt: skip
-    bridge = AsyncEngine(engine, probe_engine)
+    bridge = EngineBridge(engine, probe_engine)
     bridge.start()
     sender = TCPKVSender(bridge, engine.connector(PDExporter).layout, "127.0.0.1")
     await sender.start()

@@ -76,7 +76,7 @@ def test_prefix_cache_metrics_count_each_request_once_as_its_usage_reports(
                 assert response.status_code == 200, response.text
                 return response.json()["usage"]
 
-            usages = [usage(shared)]  # publishes the 3 shared blocks
+            usages = [usage(shared)]  # commits the 3 shared blocks
             streamed = {
                 **body(long_running, 3 * BLOCK_SIZE),
                 "stream": True,

@@ -172,7 +172,7 @@ class BlockLedger:
     def insert(
         self, hashes: Sequence[int], blocks: Sequence[int], parent_hash: int | None = None
     ) -> list[int]:
-        """Publish owned blocks as the chain ``hashes`` (block i holds hash i), pinned.
+        """Commit owned blocks as the chain ``hashes`` (block i holds hash i), pinned.
 
         ``parent_hash`` is the cached block the chain continues (``None``: the root). A
         leading part of the chain that is already cached keeps its cached blocks (pinned
@@ -184,7 +184,7 @@ class BlockLedger:
         tree = self._tree
         num_cached = tree.cached_prefix_len(hashes)
         new_blocks = blocks[num_cached:]
-        self._move_owned(new_blocks, CACHED, "published")
+        self._move_owned(new_blocks, CACHED, "committed")
         try:
             existing = tree.insert(hashes, blocks, num_cached, parent_hash)
         except Exception:
@@ -264,7 +264,7 @@ class BlockLedger:
             state[block] = to_state
 
     def _ownership_error(self, block: int, earlier: Sequence[int], action: str) -> KVCacheError:
-        """Why ``block`` cannot be freed or published (``earlier`` went first in the call)."""
+        """Why ``block`` cannot be freed or committed (``earlier`` went first in the call)."""
         if block in earlier:
             error = DoubleFreeError if action == "freed" else NotOwnedError
             return error(f"block {block} is {action} twice in one call")

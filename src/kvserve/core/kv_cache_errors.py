@@ -19,7 +19,7 @@ class DoubleFreeError(KVCacheError):
 
 
 class NotOwnedError(KVCacheError):
-    """A block used as the caller's own (freed or published) that the caller does not own."""
+    """A block used as the caller's own (freed or committed) that the caller does not own."""
 
 
 class NotPinnedError(KVCacheError):

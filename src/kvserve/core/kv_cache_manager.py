@@ -2,10 +2,10 @@
 
 The block ledger knows blocks; this façade knows requests. Each request has a block
 table (its blocks in token order) and the chain of cached blocks it pins: the prefix it
-matched, then each block it published. A request whose block turns out to be cached
-already (another request published the same hash first) keeps its own copy owned, and
+matched, then each block it committed. A request whose block turns out to be cached
+already (another request committed the same hash first) keeps its own copy owned, and
 pins the cached one instead, so its chain of pins stays unbroken from the root: a block
-it publishes later always has its parent cached and pinned, and a suffix never outlives
+it commits later always has its parent cached and pinned, and a suffix never outlives
 its prefix.
 """
 
@@ -122,7 +122,7 @@ class KVCacheManager:
         return True
 
     def commit_blocks(self, request_id: str, hashes: Sequence[int]) -> None:
-        """Publish the request's full blocks ``hashes[i]`` (block i) not yet published."""
+        """Commit the request's full blocks ``hashes[i]`` (block i) not yet committed."""
         request = self._require(request_id)
         pinned = request.pinned
         done = len(pinned)
@@ -139,7 +139,7 @@ class KVCacheManager:
         if done and parent_hash != hashes[done - 1]:
             raise RequestStateError(
                 f"request {request_id!r}: hash of block {done - 1} differs from the one "
-                "it matched or published"
+                "it matched or committed"
             )
         pinned.extend(ledger.insert(hashes[done:], table[done : len(hashes)], parent_hash))
 

@@ -271,10 +271,10 @@ class PrefixTree:
         num_cached: int,
         parent_hash: int | None = None,
     ) -> list[int]:
-        """Pin ``hashes`` as a chain under ``parent_hash``, publishing the uncached part.
+        """Pin ``hashes`` as a chain under ``parent_hash``, committing the uncached part.
 
         The first ``num_cached`` hashes are already cached (from :meth:`cached_prefix_len`)
-        and are pinned as found; the rest are published with ``blocks[i]`` holding
+        and are pinned as found; the rest are committed with ``blocks[i]`` holding
         ``hashes[i]``, pinned once. Returns the cached blocks pinned for the leading part.
         """
         block_of = self._block_of
@@ -330,7 +330,7 @@ class PrefixTree:
         return existing
 
     def _withdraw(self, chain: Sequence[int]) -> None:
-        """Undo a partly published chain: nothing else saw it, and its links to children
+        """Undo a partly committed chain: nothing else saw it, and its links to children
         and parent are set only once the whole chain is in."""
         block_of = self._block_of
         for block in chain:

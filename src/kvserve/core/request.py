@@ -52,7 +52,7 @@ class Request:
         self.arrival_order = -1  # set by the scheduler
         # Tokens whose K/V are in the request's blocks; the rest are computed next.
         self.num_computed_tokens = 0
-        # Leading blocks already published to the prefix tree.
+        # Leading blocks already committed to the prefix tree.
         self.num_committed_blocks = 0
         # Prompt tokens served from cache at first admission (what the client is told).
         self.num_cached_tokens: int | None = None
@@ -102,6 +102,6 @@ class Request:
         return hashes[: (self.num_tokens - 1) // self.hash_chain.block_size]
 
     def computed_block_hashes(self) -> list[int]:
-        """Hashes of the full blocks whose K/V have been computed (safe to publish)."""
+        """Hashes of the full blocks whose K/V have been computed (safe to commit)."""
         hashes = self.hash_chain.extend_to(self.token_ids)
         return hashes[: self.num_computed_tokens // self.hash_chain.block_size]

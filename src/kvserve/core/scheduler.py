@@ -4,7 +4,7 @@ Each step fills a token budget: running decodes first (one token each, they are 
 users wait on between tokens), then running prefills, then new admissions in arrival
 order, each chunked to what is left of the budget. A new request starts from its
 longest cached prefix. When a running request cannot grow, the newest running request
-is preempted by recompute: its computed blocks are already published to the prefix
+is preempted by recompute: its computed blocks are already committed to the prefix
 tree, so when it comes back it matches them and recomputes only the rest.
 
 Pure logic: the caller runs the model and reports back through :meth:`Scheduler.advance`.
@@ -261,9 +261,9 @@ class Scheduler:
         return True
 
     def advance(self, output: SchedulerOutput) -> None:
-        """Record that the model computed every scheduled chunk; publish full blocks.
+        """Record that the model computed every scheduled chunk; commit full blocks.
 
-        Publishing as blocks fill (generated tokens too) lets a follow-up turn that
+        Committing as blocks fill (generated tokens too) lets a follow-up turn that
         quotes this answer hit the cache, and makes preemption cheap to undo.
         """
         for chunk in output.chunks:

@@ -7,7 +7,7 @@ store falls behind (the block is simply not shared; nothing is wrong). Lookups a
 reads go the other way through :class:`StorageLoader`: it asks the store for the
 longest stored prefix, reads and verifies the values (checksum, key, layout) and
 returns CPU tensors that the engine thread installs between steps into freshly
-allocated device blocks that nothing else can see until they are published.
+allocated device blocks that nothing else can see until they are committed.
 
 Every backend failure is counted by kind in a :class:`FaultLog` and logged once, and
 turns into a miss: the worker recomputes, never crashes, never installs unchecked bytes.

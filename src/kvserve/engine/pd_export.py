@@ -2,7 +2,7 @@
 
 A prompt to prefill for another worker runs as an ordinary request over the prompt's
 full blocks plus one token (:func:`start_export`), so it matches this worker's prefix
-cache and publishes what it computes (the next request with the same prefix hits here).
+cache and commits what it computes (the next request with the same prefix hits here).
 After every step the :class:`PDExporter` connector copies the blocks completed so far
 out (:mod:`kv_block_io`) and hands them to the export's sink, so the transfer of early
 blocks overlaps the computation of later chunks. Once the last block is out the engine

@@ -3,7 +3,7 @@
 A reservation (:meth:`PDImporter.reserve`) matches the prompt in this worker's cache
 (pinned) and allocates the rest of its full blocks under a lease id. The blocks are
 owned by the lease, not in the prefix tree, so nothing can read them before they are
-installed; each received run is written, then published (:meth:`PDImporter.install`).
+installed; each received run is written, then committed (:meth:`PDImporter.install`).
 Handing over is an ordinary request of the lease's id: the scheduler tells the connector
 it was added, the lease's deadline ends, and the request matches every installed block,
 computes only the tail (the tokens after the last full block, whose logits it needs),
@@ -102,7 +102,7 @@ class PDImporter(KVConnector):
         return Reservation(token_ids, num_blocks, cached, remote=True)
 
     def install(self, lease_id: str, first_block: int, blocks: torch.Tensor, now: float) -> None:
-        """Write a run of received blocks into the lease's blocks, then publish them."""
+        """Write a run of received blocks into the lease's blocks, then commit them."""
         reserved = self._reserved.get(lease_id)
         if reserved is None or reserved.request is not None or not self.leases.renew(lease_id, now):
             raise LeaseLost(f"no live reservation {lease_id!r}")

@@ -20,9 +20,9 @@ from fastapi import FastAPI
 from starlette.responses import Response
 from starlette.types import ASGIApp
 
-from kvserve.worker.async_engine import AsyncEngine
 from kvserve.worker.body_limit import BodyLimitMiddleware
 from kvserve.worker.config import WorkerConfig
+from kvserve.worker.engine_bridge import EngineBridge
 from kvserve.worker.engine_state import probe_engine
 from kvserve.worker.errors import APIError, install_error_handlers
 from kvserve.worker.events import build_events_router
@@ -35,7 +35,7 @@ from kvserve.worker.worker_header import WorkerHeaderMiddleware
 
 def build_app(config: WorkerConfig, engine: Any) -> ASGIApp:
     """An app serving ``engine`` (an ``LLMEngine``), which it then owns."""
-    bridge = AsyncEngine(engine, probe_engine)
+    bridge = EngineBridge(engine, probe_engine)
     metrics = WorkerMetrics(lambda: bridge.state)
     worker_id = config.resolved_worker_id
     pd = PDService(config, bridge, metrics) if config.role != "mixed" else None
@@ -50,7 +50,7 @@ def build_app(config: WorkerConfig, engine: Any) -> ASGIApp:
             await bridge.shutdown()
 
     app = FastAPI(title="kvserve worker", lifespan=lifespan, default_response_class=JSONResponse)
-    app.state.engine = bridge
+    app.state.bridge = bridge
     install_error_handlers(app)
     endpoints = OpenAIEndpoints(bridge, metrics, config.api_key)
     app.include_router(build_openai_router(endpoints))

@@ -17,7 +17,7 @@ from fastapi import APIRouter, Query
 from starlette.responses import Response
 
 from kvserve.core.kv_events import EventGapError, KVEvent
-from kvserve.worker.async_engine import AsyncEngine
+from kvserve.worker.engine_bridge import EngineBridge
 from kvserve.worker.errors import APIError
 from kvserve.worker.json_response import JSONResponse
 
@@ -51,7 +51,7 @@ def _pairs(blocks: BlockList) -> list[list[int | None]]:
     return [[block_hash, parent] for block_hash, parent in blocks]
 
 
-def build_events_router(engine: AsyncEngine, block_size: int) -> APIRouter:
+def build_events_router(bridge: EngineBridge, block_size: int) -> APIRouter:
     router = APIRouter(prefix="/kv")
 
     @router.get("/events")
@@ -59,12 +59,12 @@ def build_events_router(engine: AsyncEngine, block_size: int) -> APIRouter:
         after: int = Query(0, ge=0, le=2**63 - 1),
         timeout: float = Query(0.0, ge=0.0, le=_MAX_WAIT_S),
     ) -> Response:
-        if engine.state.events_last_seq == after:
-            await engine.wait_for_events(after, timeout)
-            if engine.state.events_last_seq == after:
+        if bridge.state.events_last_seq == after:
+            await bridge.wait_for_events(after, timeout)
+            if bridge.state.events_last_seq == after:
                 return JSONResponse({"last_seq": after, "events": []})
         try:
-            events = await engine.call(lambda e: e.events.since(after))
+            events = await bridge.call(lambda e: e.events.since(after))
         except EventGapError as exc:
             raise APIError(410, str(exc), param="after", code="kv_events_gap") from exc
         last_seq = events[-1].seq if events else after
@@ -72,7 +72,7 @@ def build_events_router(engine: AsyncEngine, block_size: int) -> APIRouter:
 
     @router.get("/snapshot")
     async def kv_snapshot() -> Response:
-        last_seq, device, below = await engine.call(_take_snapshot)
+        last_seq, device, below = await bridge.call(_take_snapshot)
         return JSONResponse(
             {
                 "last_seq": last_seq,

@@ -19,7 +19,7 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.types import Receive
 
-from kvserve.worker.async_engine import RequestAborted
+from kvserve.worker.engine_bridge import RequestAborted
 from kvserve.worker.errors import APIError
 from kvserve.worker.json_response import JSONResponse
 from kvserve.worker.metrics import RequestTimer, WorkerMetrics
@@ -44,7 +44,7 @@ class OutputStream(Protocol):
 
 
 class GenerationBackend(Protocol):
-    """What runs generations: the engine thread bridge (``AsyncEngine``), or a decode
+    """What runs generations: the engine thread bridge (``EngineBridge``), or a decode
     worker's PD session in its place."""
 
     engine: Any  # the LLMEngine behind it, read for its model name, context and tokenizer
@@ -57,9 +57,9 @@ class Generation:
     """The per-request context shared by the streamed and the collected paths."""
 
     def __init__(
-        self, engine: GenerationBackend, metrics: WorkerMetrics, fmt: ResponseFormat, model: str
+        self, backend: GenerationBackend, metrics: WorkerMetrics, fmt: ResponseFormat, model: str
     ) -> None:
-        self.engine = engine
+        self.backend = backend
         self.fmt = fmt
         self.model = model
         self.request_id = f"{fmt.id_prefix}{_PROCESS_TAG}{next(_REQUEST_NUMBERS):08x}"
@@ -69,7 +69,7 @@ class Generation:
     async def respond(
         self, request: Request, prompt: Any, params: Any, *, stream: bool, include_usage: bool
     ) -> Response:
-        outputs = await self.engine.generate(self.request_id, prompt, params)
+        outputs = await self.backend.generate(self.request_id, prompt, params)
         if stream:
             return StreamingResponse(
                 self._events(outputs, include_usage), media_type="text/event-stream"
@@ -81,7 +81,7 @@ class Generation:
 
     def _abort_unless_finished(self, outputs: OutputStream) -> None:
         if not outputs.finished:
-            self.engine.abort(self.request_id)
+            self.backend.abort(self.request_id)
             self.timer.on_abort()
 
     async def _collect(self, receive: Receive, outputs: OutputStream) -> Response:

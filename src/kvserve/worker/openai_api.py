@@ -42,12 +42,12 @@ class OpenAIEndpoints:
     """Request handling shared by the OpenAI routes of one worker."""
 
     def __init__(
-        self, engine: GenerationBackend, metrics: WorkerMetrics, api_key: str | None
+        self, backend: GenerationBackend, metrics: WorkerMetrics, api_key: str | None
     ) -> None:
-        self.engine = engine
+        self.backend = backend
         self.metrics = metrics
         self.api_key = api_key
-        self.model_name: str = engine.engine.model_name
+        self.model_name: str = backend.engine.model_name
         self.created = int(time.time())
 
     async def check_api_key(self, request: Request) -> None:
@@ -77,7 +77,7 @@ class OpenAIEndpoints:
                     "object": "model",
                     "created": self.created,
                     "owned_by": "kvserve",
-                    "max_model_len": self.engine.engine.max_model_len,
+                    "max_model_len": self.backend.engine.max_model_len,
                 }
             ],
         }
@@ -85,7 +85,7 @@ class OpenAIEndpoints:
     def chat_prompt(self, body: ChatCompletionRequest) -> list[int]:
         messages = [{"role": m.role, "content": m.text()} for m in body.messages]
         try:
-            token_ids: list[int] = self.engine.engine.tokenizer.encode_chat(messages)
+            token_ids: list[int] = self.backend.engine.tokenizer.encode_chat(messages)
             return token_ids
         except (ChatTemplateError, jinja2.TemplateError) as exc:
             # A template may refuse a conversation (e.g. roles that do not alternate).
@@ -110,7 +110,7 @@ class OpenAIEndpoints:
         max_tokens: int | None,
     ) -> Response:
         params = _sampling_params(body, max_tokens)
-        generation = Generation(self.engine, self.metrics, fmt, self.model_name)
+        generation = Generation(self.backend, self.metrics, fmt, self.model_name)
         try:
             return await generation.respond(
                 request,

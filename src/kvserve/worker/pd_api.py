@@ -27,8 +27,8 @@ from starlette.responses import Response
 from kvserve.engine.kv_connector import ConnectorFactory
 from kvserve.engine.pd_export import PDExporter
 from kvserve.engine.pd_import import PDImporter, pd_importer
-from kvserve.worker.async_engine import AsyncEngine
 from kvserve.worker.config import WorkerConfig
+from kvserve.worker.engine_bridge import EngineBridge
 from kvserve.worker.json_response import JSONResponse
 from kvserve.worker.kv_transfer import KVTransferReceiver, KVTransferSender
 from kvserve.worker.metrics import WorkerMetrics
@@ -56,7 +56,7 @@ def pd_connectors(config: WorkerConfig) -> list[ConnectorFactory]:
 
 
 def transfer_sender(
-    config: WorkerConfig, bridge: AsyncEngine, exporter: PDExporter
+    config: WorkerConfig, bridge: EngineBridge, exporter: PDExporter
 ) -> KVTransferSender:
     """A prefill worker's side of the KV transfer."""
     return TCPKVSender(bridge, exporter.layout, config.host)
@@ -69,7 +69,7 @@ def transfer_receiver(importer: PDImporter) -> KVTransferReceiver:
 
 
 class PDService:
-    def __init__(self, config: WorkerConfig, bridge: AsyncEngine, metrics: WorkerMetrics) -> None:
+    def __init__(self, config: WorkerConfig, bridge: EngineBridge, metrics: WorkerMetrics) -> None:
         self._config = config
         self._bridge = bridge
         self._metrics = metrics

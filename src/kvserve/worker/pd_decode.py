@@ -1,6 +1,6 @@
 """The decode worker's side of one disaggregated request.
 
-:class:`PDDecodeSession` stands where :class:`AsyncEngine` stands for an ordinary request
+:class:`PDDecodeSession` stands where :class:`EngineBridge` stands for an ordinary request
 (``generate``, ``abort``, ``engine``), so the OpenAI response code serves PD requests
 unchanged. Its ``generate`` reserves blocks under a lease, has the prefill worker compute
 and send them (or prefills here: conditional disaggregation), then hands the request to
@@ -26,7 +26,7 @@ import torch
 from starlette.types import Receive
 
 from kvserve.engine.pd_import import PDImporter, Reservation
-from kvserve.worker.async_engine import AsyncEngine, RequestStream
+from kvserve.worker.engine_bridge import EngineBridge, RequestStream
 from kvserve.worker.errors import APIError
 from kvserve.worker.kv_transfer import KVTransferError, KVTransferReceiver
 
@@ -59,7 +59,7 @@ class PDDecodeSession:
 
     def __init__(
         self,
-        bridge: AsyncEngine,
+        bridge: EngineBridge,
         importer: PDImporter,  # of the engine behind ``bridge``: touched on its thread only
         receiver: KVTransferReceiver,
         prefill_url: str | None,

@@ -22,7 +22,7 @@ import torch
 from kvserve.core.sampling_params import InvalidParameterError
 from kvserve.engine.kv_block_io import KVBlockLayout, from_bytes, payload_view
 from kvserve.engine.pd_export import start_export
-from kvserve.worker.async_engine import AsyncEngine
+from kvserve.worker.engine_bridge import EngineBridge
 from kvserve.worker.kv_transfer import InstallRun, KVTransferError
 from kvserve.worker.pd_wire import ProtocolError, frame_prefix, read_frame
 
@@ -66,7 +66,7 @@ class TCPKVSender:
     """Serves exports of the engine behind ``bridge`` (built with a ``PDExporter``) to
     decode workers, on a free port of ``host``."""
 
-    def __init__(self, bridge: AsyncEngine, layout: KVBlockLayout, host: str) -> None:
+    def __init__(self, bridge: EngineBridge, layout: KVBlockLayout, host: str) -> None:
         self._bridge = bridge
         self._layout = layout
         self._host = host

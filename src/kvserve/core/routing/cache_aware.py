@@ -59,7 +59,7 @@ def is_imbalanced(workers: Sequence[WorkerLoad], config: CacheAwareConfig) -> bo
     )
 
 
-def choose(
+def select_worker(
     workers: Sequence[WorkerLoad],
     matched_chars: Mapping[str, int],
     prompt_chars: int,

@@ -157,7 +157,7 @@ def _rendezvous(tie_key: int, worker_id: str) -> int:
     return xxhash.xxh3_64_intdigest(f"{tie_key}/{worker_id}".encode())
 
 
-def choose(
+def lowest_ttft(
     workers: Sequence[WorkerLoad],
     matches: Mapping[str, WorkerMatch],
     queued_s: Mapping[str, float],
@@ -204,7 +204,7 @@ class KvAwareRouting:
         self.index = index if index is not None else KVBlockIndex()
         self.queue = PrefillQueue()
 
-    def route(
+    def select(
         self,
         workers: Sequence[WorkerLoad],
         block_hashes: Sequence[int],
@@ -212,13 +212,13 @@ class KvAwareRouting:
         block_size: int,
         now: float,
     ) -> KvAwareChoice:
-        """Choose for a request whose reusable full blocks hash to ``block_hashes``, then
+        """Select for a request whose reusable full blocks hash to ``block_hashes``, then
         expect its prefill on the chosen worker."""
-        choice = self.choose(workers, block_hashes, prompt_tokens, block_size, now)
+        choice = self.best(workers, block_hashes, prompt_tokens, block_size, now)
         self.expect_prefill(choice, block_hashes, prompt_tokens, now)
         return choice
 
-    def choose(
+    def best(
         self,
         workers: Sequence[WorkerLoad],
         block_hashes: Sequence[int],
@@ -231,7 +231,9 @@ class KvAwareRouting:
         matches = self.index.match(block_hashes, worker_ids, now)
         queued = {w: self.queue.queued_s(w, now) for w in worker_ids}
         tie_key = block_hashes[-1] if block_hashes else prompt_tokens
-        return choose(workers, matches, queued, prompt_tokens, block_size, tie_key, self.config)
+        return lowest_ttft(
+            workers, matches, queued, prompt_tokens, block_size, tie_key, self.config
+        )
 
     def expect_prefill(
         self, choice: KvAwareChoice, block_hashes: Sequence[int], prompt_tokens: int, now: float

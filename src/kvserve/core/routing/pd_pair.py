@@ -87,7 +87,7 @@ class PairChoice:
     reason: str  # "remote" | "local_cached" | "local_short" | "no_prefill_worker"
 
 
-def choose_decode(
+def select_decode(
     decodes: Sequence[DecodeCandidate], min_free_fraction: float, rotation: Rotation
 ) -> DecodeCandidate:
     """Workers with room first; then fewer running requests; then a deeper cached prefix;
@@ -107,7 +107,7 @@ def choose_decode(
     return next(c for c in tied if c.load is chosen)
 
 
-def choose_prefill(
+def select_prefill(
     prefills: Sequence[WorkerLoad], matched_fraction: Mapping[str, float], prompt_tokens: int
 ) -> WorkerLoad:
     """Least predicted prefill time: queued prefill tokens + this prompt's uncached part."""
@@ -119,7 +119,7 @@ def choose_prefill(
     return min(prefills, key=key)
 
 
-def choose_pair(
+def select_pair_from_matches(
     decodes: Sequence[DecodeCandidate],
     prefills: Sequence[WorkerLoad],
     prefill_matched_fraction: Mapping[str, float],
@@ -129,12 +129,12 @@ def choose_pair(
     min_free_fraction: float = MIN_DECODE_FREE_FRACTION,
 ) -> PairChoice:
     """``decodes`` must be non-empty; ``prefills`` may be empty (then all is local)."""
-    decode = choose_decode(decodes, min_free_fraction, rotation)
+    decode = select_decode(decodes, min_free_fraction, rotation)
     cached = round(decode.matched_fraction * prompt_tokens)
     local = local_prefill_reason(prompt_tokens, cached, bool(prefills), config)
     if local is not None:
         return PairChoice(decode, None, 0.0, local)
-    prefill = choose_prefill(prefills, prefill_matched_fraction, prompt_tokens)
+    prefill = select_prefill(prefills, prefill_matched_fraction, prompt_tokens)
     return PairChoice(
         decode, prefill, prefill_matched_fraction.get(prefill.worker_id, 0.0), "remote"
     )

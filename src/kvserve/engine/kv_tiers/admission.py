@@ -9,7 +9,7 @@ step.
 
 Installs are fenced by ownership: blocks are allocated to a holder of their own
 (``tier-load:<request id>``), written while still owned (no request can read them, the
-allocator cannot reuse them), then published and kept pinned until the request is
+allocator cannot reuse them), then committed and kept pinned until the request is
 admitted. A storage value is verified (checksum, key, layout) before it is installed;
 any failure is a miss, counted and logged once.
 """
@@ -134,7 +134,7 @@ class TierAdmissions:
 
     def _install(self, admission: _Admission, hashes: list[int]) -> InstallOutcome:
         """Copy the request's blocks found in host memory (and those loaded from storage)
-        into new device blocks, publish them, pin them until admission."""
+        into new device blocks, commit them, pin them until admission."""
         cache, host = self._cache, self._host
         in_device = len(cache.lookup_prefix(hashes))
         from_host = host.prefix_len(hashes, in_device) if host else 0

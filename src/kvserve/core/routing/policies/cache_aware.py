@@ -4,7 +4,7 @@ See :mod:`kvserve.core.routing.cache_aware` for the rule and how it departs from
 established gateways (ties by load, rotation on a miss, one budget, one tree per pool
 and model).
 
-Pair rule (:mod:`kvserve.core.routing.pd_pair`'s ``choose_pair``), each pool with its
+Pair rule (:mod:`kvserve.core.routing.pd_pair`'s ``select_pair_from_matches``), each pool with its
 own tree: the decode worker with KV room, then fewer in-flight requests, then the deeper
 match in the decode pool's tree; local prefill when that match covers most of the prompt
 or the prompt is short; else the prefill worker with the least predicted prefill time
@@ -15,13 +15,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from kvserve.core.routing.cache_aware import CacheAwareConfig, CacheAwareIndex, choose
+from kvserve.core.routing.cache_aware import CacheAwareConfig, CacheAwareIndex, select_worker
 from kvserve.core.routing.pd_pair import (
     DECODE_POOL,
     PREFILL_POOL,
     DecodeCandidate,
     PDConfig,
-    choose_pair,
+    select_pair_from_matches,
 )
 from kvserve.core.routing.policy import Policy
 from kvserve.core.routing.tie_breaking import PoolRotations
@@ -45,7 +45,7 @@ class CacheAwarePolicy(Policy):
     ) -> RoutingDecision:
         self._index.maybe_trim(now)
         tree = self._index.tree(query.pool, query.model)
-        choice = choose(
+        choice = select_worker(
             workers,
             tree.match(query.text),
             len(query.text),
@@ -75,7 +75,7 @@ class CacheAwarePolicy(Policy):
             DecodeCandidate(w, w.kv_free_fraction, decode_matched.get(w.worker_id, 0) / text_chars)
             for w in decodes
         ]
-        pair = choose_pair(
+        pair = select_pair_from_matches(
             candidates,
             prefills,
             prefill_matched,

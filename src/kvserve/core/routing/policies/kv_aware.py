@@ -46,7 +46,7 @@ class KvAwarePolicy(Policy):
         if blocks is None:
             chosen = least_loaded(workers, self._rotations[query.pool])
             return RoutingDecision(chosen.worker_id, self.name, "no_tokenizer")
-        choice = self.routing.route(
+        choice = self.routing.select(
             workers, blocks.reusable_hashes, blocks.num_tokens, blocks.block_size, now
         )
         return RoutingDecision(
@@ -65,13 +65,13 @@ class KvAwarePolicy(Policy):
         if blocks is None:
             return super().select_pair(query, decodes, prefills, now, pd)
         hashes, tokens = blocks.reusable_hashes, blocks.num_tokens
-        decode = self.routing.choose(with_room(decodes), hashes, tokens, blocks.block_size, now)
+        decode = self.routing.best(with_room(decodes), hashes, tokens, blocks.block_size, now)
         cached = decode.prediction.cached_tokens
         local = local_prefill_reason(tokens, cached, bool(prefills), pd)
         if local is not None:
             self.routing.expect_prefill(decode, hashes, tokens, now)
             return PairDecision(decode.worker_id, self.name, local, _matched(decode, tokens))
-        prefill = self.routing.choose(prefills, hashes, tokens, blocks.block_size, now)
+        prefill = self.routing.best(prefills, hashes, tokens, blocks.block_size, now)
         self.routing.expect_prefill(prefill, hashes, tokens, now)
         self.routing.expect_blocks(decode.worker_id, hashes, now)
         return PairDecision(

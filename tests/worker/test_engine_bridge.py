@@ -10,7 +10,7 @@ import torch
 from kvserve.core.sampling_params import SamplingParams
 from kvserve.engine.llm_engine import LLMEngine
 from kvserve.engine.outputs import RequestOutput
-from kvserve.worker.async_engine import AsyncEngine, RequestAborted, RequestStream
+from kvserve.worker.engine_bridge import EngineBridge, RequestAborted, RequestStream
 from kvserve.worker.engine_state import probe_engine
 
 LONG = SamplingParams(max_tokens=500, ignore_eos=True)
@@ -22,14 +22,14 @@ def engine(tiny_model_dir: Path) -> LLMEngine:
     return LLMEngine(tiny_model_dir, num_blocks=64, device="cpu")
 
 
-def assert_all_blocks_released(bridge: AsyncEngine) -> None:
+def assert_all_blocks_released(bridge: EngineBridge) -> None:
     state = bridge.state
     assert state.running == state.waiting == 0
     assert state.free_blocks + state.cached_blocks == state.total_blocks
 
 
 async def first_output(
-    bridge: AsyncEngine, request_id: str, params: SamplingParams
+    bridge: EngineBridge, request_id: str, params: SamplingParams
 ) -> tuple[RequestStream, RequestOutput]:
     stream = await bridge.generate(request_id, [5, 6, 7, 8], params)
     return stream, await anext(aiter(stream))
@@ -38,7 +38,7 @@ async def first_output(
 async def test_a_failing_step_aborts_its_requests_and_the_engine_serves_on(
     engine: LLMEngine, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    bridge = AsyncEngine(engine, probe_engine)
+    bridge = EngineBridge(engine, probe_engine)
     bridge.start()
     stream, _ = await first_output(bridge, "doomed", LONG)
 
@@ -61,7 +61,7 @@ async def test_a_failing_step_aborts_its_requests_and_the_engine_serves_on(
 async def test_shutdown_aborts_in_flight_requests_and_frees_their_blocks(
     engine: LLMEngine,
 ) -> None:
-    bridge = AsyncEngine(engine, probe_engine)
+    bridge = EngineBridge(engine, probe_engine)
     bridge.start()
     streams = [(await first_output(bridge, f"r{i}", LONG))[0] for i in range(3)]
     await bridge.shutdown()
@@ -77,7 +77,7 @@ async def test_shutdown_aborts_in_flight_requests_and_frees_their_blocks(
 async def test_an_aborted_request_frees_its_blocks_before_the_next_step(
     engine: LLMEngine,
 ) -> None:
-    bridge = AsyncEngine(engine, probe_engine)
+    bridge = EngineBridge(engine, probe_engine)
     bridge.start()
     await first_output(bridge, "dropped", LONG)
     bridge.abort("dropped")
@@ -88,7 +88,7 @@ async def test_an_aborted_request_frees_its_blocks_before_the_next_step(
 
 
 async def test_an_invalid_request_is_refused_without_a_trace(engine: LLMEngine) -> None:
-    bridge = AsyncEngine(engine, probe_engine)
+    bridge = EngineBridge(engine, probe_engine)
     bridge.start()
     with pytest.raises(ValueError, match="prompt"):
         await bridge.generate("too-long", [3] * (engine.max_model_len + 1), LONG)

@@ -107,7 +107,7 @@ class _Inbox:
         os.close(self._write_fd)
 
 
-class AsyncEngine:
+class EngineBridge:
     """Runs an engine on a dedicated thread and exposes it to asyncio code."""
 
     def __init__(self, engine: Any, state_probe: Callable[[Any], EngineState]) -> None:
@@ -215,7 +215,7 @@ class AsyncEngine:
 
     def _require_loop(self) -> asyncio.AbstractEventLoop:
         if self._loop is None:
-            raise RuntimeError("AsyncEngine.start() was not called")
+            raise RuntimeError("EngineBridge.start() was not called")
         return self._loop
 
     def _complete_iteration(self, outputs: list[Any], state: EngineState) -> None:
