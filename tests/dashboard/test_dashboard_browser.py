@@ -10,6 +10,7 @@ import os
 import shutil
 import time
 from collections.abc import Iterator
+from decimal import ROUND_HALF_UP, Decimal
 from pathlib import Path
 
 import httpx
@@ -96,8 +97,14 @@ def _ttft_buckets(router: Samples) -> dict[str, list[tuple[float, float]]]:
     return {worker: sorted(pairs) for worker, pairs in buckets.items()}
 
 
+def _fixed(value: float) -> str:
+    """``value.toFixed(1)`` as the page's script writes it: the exact binary value, a tie
+    rounded up (Python's format rounds a tie to even: 99.25 is 99.2 there, 99.3 here)."""
+    return str(Decimal(value).quantize(Decimal("0.1"), rounding=ROUND_HALF_UP))
+
+
 def _ms(seconds: float | None) -> str:
-    return "–" if seconds is None else f"{seconds * 1000:.1f}"
+    return "–" if seconds is None else _fixed(seconds * 1000)
 
 
 def _expected(fleet: Fleet) -> dict[str, str]:
@@ -124,7 +131,7 @@ def _expected(fleet: Fleet) -> dict[str, str]:
             f"{wid}/in_flight_prefill_tokens": f"{prefill.get(wid, 0):.0f}",
             f"{wid}/requests": f"{requests.get(wid, 0):.0f}",
             f"{wid}/errors": "0",
-            f"{wid}/ttft_mean_ms": f"{ttft_sum[wid] / ttft_count[wid] * 1000:.1f}",
+            f"{wid}/ttft_mean_ms": _ms(ttft_sum[wid] / ttft_count[wid]),
             f"{wid}/ttft_p99_ms": _ms(histogram_quantile(0.99, ttft_buckets[wid])),
             f"{wid}/running": f"{engine['kvserve_num_requests_running']:.0f}",
             f"{wid}/waiting": f"{engine['kvserve_num_requests_waiting']:.0f}",
@@ -134,7 +141,7 @@ def _expected(fleet: Fleet) -> dict[str, str]:
             f"{wid}/blocks_total": f"{engine['kvserve_kv_blocks_total']:.0f}",
             f"{wid}/host_tier": f"{engine['kvserve_kv_tier_host_blocks']:.0f} / "
             f"{engine['kvserve_kv_tier_host_capacity_blocks']:.0f}",
-            f"{wid}/hit_rate": f"{hit / queried * 100:.1f}%" if queried else "–",
+            f"{wid}/hit_rate": f"{_fixed(hit / queried * 100)}%" if queried else "–",
             f"{wid}/hit_tokens": f"{hit:.0f} / {queried:.0f}",
         }
         totals["used"] += engine["kvserve_kv_blocks_used"]
@@ -150,12 +157,12 @@ def _expected(fleet: Fleet) -> dict[str, str]:
         "fleet/in_flight_prefill_tokens": f"{sum(prefill.values()):.0f}",
         "fleet/requests": f"{sum(requests.values()):.0f}",
         "fleet/errors": "0",
-        "fleet/ttft_mean_ms": f"{sum(ttft_sum.values()) / sum(ttft_count.values()) * 1000:.1f}",
+        "fleet/ttft_mean_ms": _ms(sum(ttft_sum.values()) / sum(ttft_count.values())),
         "fleet/ttft_quantiles_ms": f"{_ms(histogram_quantile(0.5, fleet_buckets))} / "
         f"{_ms(histogram_quantile(0.99, fleet_buckets))}",
         "fleet/blocks_used": f"{totals['used']:.0f} / {totals['total']:.0f}",
         "fleet/blocks_cached": f"{totals['cached']:.0f}",
-        "fleet/hit_rate": f"{totals['hit'] / totals['queried'] * 100:.1f}%",
+        "fleet/hit_rate": f"{_fixed(totals['hit'] / totals['queried'] * 100)}%",
     }
     for (name, labels), value in router.items():
         if name == "kvserve_router_decisions_total":
