@@ -166,6 +166,7 @@ def register(app: typer.Typer) -> None:
             fleet.start(start_timeout)
             typer.echo(
                 f"\nkvserve is up: {fleet.url}/v1  ({workers} workers, policy {policy})\n"
+                f"dashboard: {fleet.url}/dashboard\n"
                 f"try:\n  curl {fleet.url}/v1/chat/completions -H 'Content-Type: application/json'"
                 f' -d \'{{"model": "{model_dir.name}", "messages": [{{"role": "user",'
                 f' "content": "Hello!"}}], "max_tokens": 16}}\'\n'
