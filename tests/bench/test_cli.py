@@ -57,7 +57,8 @@ async def test_a_run_writes_results_report_and_plots_and_compare_overlays_runs(t
     assert results["summary"]["router_policies"] == {"scripted": 6}
     assert results["summary"]["requests"] == 6 and results["summary"]["errors"] == 1
     assert results["config"]["model"] == "foreign"  # asked /v1/models
-    assert len(results["requests"]) == 6 and results["requests"][0]["ttft_s"] > 0
+    assert len(results["requests"]) == 6  # in completion order: the refused one may be first
+    assert all(r["ttft_s"] > 0 for r in results["requests"] if r["error"] is None)
     second = json.loads((tmp_path / "b/results.json").read_text())
     assert second["summary"]["prefix_hit_rate"] > 0.8  # it saw all but the refused prompt
     assert "s3" not in second["config"]["command"]
