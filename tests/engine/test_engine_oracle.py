@@ -38,7 +38,7 @@ SECOND_BATCH = [
 
 
 @pytest.fixture(scope="module", params=ARCHES)
-def model_dir(request, tiny_model_dirs):
+def model_dir(request, tiny_model_dirs, attention_path):
     return tiny_model_dirs[request.param]
 
 

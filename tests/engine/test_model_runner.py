@@ -10,6 +10,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from kvserve.engine import paged_kernel
 from kvserve.engine.decode_rows import DecodeRows
 from kvserve.engine.model_runner import ModelRunner, SequenceBatchItem
 from kvserve.engine.tiny_model import ARCHES
@@ -47,7 +48,7 @@ def shuffled_blocks(count: int, seed: int) -> list[int]:
 
 
 @pytest.fixture(scope="module")
-def runners(tiny_model_dirs: dict[str, Path]) -> dict[str, ModelRunner]:
+def runners(tiny_model_dirs: dict[str, Path], attention_path: str) -> dict[str, ModelRunner]:
     return {
         arch: ModelRunner(path, num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE)
         for arch, path in tiny_model_dirs.items()
@@ -146,15 +147,20 @@ def test_half_precision_path_stays_close_to_float32(tiny_model_dirs, tokenizers)
     assert torch.equal(outputs[torch.bfloat16].argmax(-1), outputs[torch.float32].argmax(-1))
 
 
-@pytest.mark.parametrize("rows_memory", [None, 0], ids=["decode rows", "gathered blocks"])
-def test_decodes_of_sequences_that_come_and_go(rows_memory, tiny_model_dirs, tokenizers):
+@pytest.mark.parametrize(
+    "rows_memory", ["kernel", None, 0], ids=["paged kernel", "decode rows", "gathered blocks"]
+)
+def test_decodes_of_sequences_that_come_and_go(
+    rows_memory, tiny_model_dirs, tokenizers, monkeypatch
+):
     """Decode rows are kept, moved down when earlier sequences leave, and refilled when a
     key shows up at a position its row does not expect (another sequence reusing it);
-    with no memory for rows, decodes attend over gathered blocks. Logits match the oracle
-    at every step."""
+    with no memory for rows, decodes attend over gathered blocks; the paged kernel needs
+    no rows. Logits match the oracle at every step."""
     folder, tokenizer = tiny_model_dirs["llama"], tokenizers["llama"]
+    monkeypatch.setenv(paged_kernel.ENV_SWITCH, "1" if rows_memory == "kernel" else "0")
     runner = ModelRunner(folder, num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE)
-    if rows_memory is not None:
+    if isinstance(rows_memory, int):
         runner.decode_rows = DecodeRows(runner.kv_pool, max_bytes=rows_memory)
     prompts = [tokenizer.encode(text) for text in PROMPTS]
     blocks = shuffled_blocks(NUM_BLOCKS, seed=7)
@@ -174,7 +180,8 @@ def test_decodes_of_sequences_that_come_and_go(rows_memory, tiny_model_dirs, tok
     step((0, -3, "a"), (1, -3, "b"), (2, -3, "c"), (3, -3, "d"))
     step((2, -2, "c"), (3, -2, "d"))  # a and b leave: the rows of c and d move down
     step((3, -1, "d"), (1, -2, "c"), (0, -2, "a"))  # key c now names sequence 1; a returns
-    assert (runner.decode_rows.row_capacity > 0) == (rows_memory is None)
+    uses_rows = rows_memory is None or (rows_memory == "kernel" and not paged_kernel.load())
+    assert (runner.decode_rows.row_capacity > 0) == uses_rows
 
 
 @pytest.mark.parametrize("num_resumed", [2, 6], ids=["alone", "one padded group"])

@@ -22,7 +22,7 @@ def onednn_packing_available(device: torch.device, dtype: torch.dtype) -> bool:
     return (
         device.type == "cpu"
         and dtype in _PACKED_DTYPES
-        and torch.backends.mkldnn.is_available()
+        and torch._C._has_mkldnn
         and (dtype != torch.bfloat16 or torch.ops.mkldnn._is_mkldnn_bf16_supported())
     )
 
