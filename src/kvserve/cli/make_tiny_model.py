@@ -1,4 +1,4 @@
-"""``kvserve make-tiny-model DIR --arch {llama,qwen2,qwen3} [--seed N] [widths]``."""
+"""``kvserve make-tiny-model DIR --arch {llama,qwen2,qwen3} [--seed N] [widths] [--dtype D]``."""
 
 from __future__ import annotations
 
@@ -24,6 +24,9 @@ def register(app: typer.Typer) -> None:
         head_dim: Annotated[
             int | None, typer.Option(help="Width of a head [default: the family's].")
         ] = None,
+        dtype: Annotated[
+            str, typer.Option(help="Checkpoint dtype the config declares: float32 | bfloat16.")
+        ] = "float32",
     ) -> None:
         """Write a deterministic random-weight model folder that runs offline: a few MB by
         default, realistic widths (for kernel benchmarks) with the width options."""
@@ -40,7 +43,7 @@ def register(app: typer.Typer) -> None:
             head_dim=head_dim,
         )
         try:
-            out = make_tiny_model(model_dir, arch, seed, shape)
+            out = make_tiny_model(model_dir, arch, seed, shape, dtype)
         except ValueError as err:
             raise typer.BadParameter(str(err)) from None
         typer.echo(f"wrote tiny {arch} model (seed {seed}) to {out}")

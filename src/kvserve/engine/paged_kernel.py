@@ -24,7 +24,7 @@ logger = logging.getLogger(__name__)
 
 _SOURCE = Path(__file__).parent / "csrc" / "paged_attention.cpp"
 # The compiler flags are part of the cache key (through the hash below).
-_CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp-simd", "-std=c++17"]
+_CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp-simd"]
 # Set to 0 to force the pure-torch attention (e.g. to compare the two).
 ENV_SWITCH = "KVSERVE_PAGED_KERNEL"
 

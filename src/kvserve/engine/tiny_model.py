@@ -1,7 +1,9 @@
 """Deterministic tiny random-weight model folders, so everything runs with no download.
 
 A folder is a real Hugging Face checkpoint in miniature: ``config.json`` as each family
-writes it, bf16 ``model.safetensors``, a byte-level BPE ``tokenizer.json`` trained here on
+writes it, bf16 ``model.safetensors`` (``torch_dtype`` float32 by default, so engines run
+them in float32 and match the float32 oracle exactly; ``bfloat16`` to exercise the bf16
+default a checkpoint of that dtype gets), a byte-level BPE ``tokenizer.json`` trained here on
 an embedded English corpus, ``tokenizer_config.json`` with the family's chat format, and
 ``generation_config.json``. ``transformers`` loads it, which is what the oracle tests need.
 Weights are scaled so that logits are well spread: greedy choices then do not hinge on
@@ -382,7 +384,9 @@ def _random_weights(config: dict[str, Any], seed: int) -> dict[str, torch.Tensor
     return weights
 
 
-def _model_config(family: _Family, shape: TinyShape, tokenizer: HFTokenizer) -> dict[str, Any]:
+def _model_config(
+    family: _Family, shape: TinyShape, tokenizer: HFTokenizer, dtype: str
+) -> dict[str, Any]:
     token_id = tokenizer.token_to_id
     config: dict[str, Any] = {
         "architectures": [family.architecture],
@@ -402,7 +406,7 @@ def _model_config(family: _Family, shape: TinyShape, tokenizer: HFTokenizer) -> 
         "attention_dropout": 0.0,
         "bos_token_id": token_id(family.bos) if family.bos else None,
         "eos_token_id": token_id(family.eos),
-        "torch_dtype": "bfloat16",
+        "torch_dtype": dtype,
         "use_cache": True,
         **family.rope,
     }
@@ -424,18 +428,26 @@ def _tokenizer_config(family: _Family) -> dict[str, Any]:
 
 
 def make_tiny_model(
-    model_dir: str | Path, arch: str, seed: int = 0, shape: TinyShape | None = None
+    model_dir: str | Path,
+    arch: str,
+    seed: int = 0,
+    shape: TinyShape | None = None,
+    dtype: str = "float32",
 ) -> Path:
-    """Write the folder (created if needed) and return its path; same inputs, same bytes."""
+    """Write the folder (created if needed) and return its path; same inputs, same bytes.
+    ``dtype``: the checkpoint dtype its config declares (the weights file is bf16 either
+    way: every value is bf16-exact)."""
     if arch not in _FAMILIES:
         raise ValueError(f"unknown tiny model arch {arch!r}; choose one of {', '.join(ARCHES)}")
+    if dtype not in ("float32", "bfloat16"):
+        raise ValueError(f"tiny models declare float32 or bfloat16, not {dtype!r}")
     family = _FAMILIES[arch]
     shape = shape or TinyShape()
     shape.check()
     out = Path(model_dir)
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = _train_tokenizer(family)
-    config = _model_config(family, shape, tokenizer)
+    config = _model_config(family, shape, tokenizer, dtype)
     eos_ids = [tokenizer.token_to_id(family.eos), tokenizer.token_to_id(family.extra_eos)]
     generation_config = {"bos_token_id": config["bos_token_id"], "eos_token_id": eos_ids}
     files = {

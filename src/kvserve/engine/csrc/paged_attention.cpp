@@ -1,14 +1,14 @@
-// Attention that reads K/V where they live in the paged pool: no per-step gather.
+// Attention that reads K/V from the paged pool where they live: no per-step gather of
+// each sequence's context into a fresh tensor.
 //
 // One work item is one sequence's KV head and a tile of its new tokens. The query heads
-// sharing that KV head are its rows (grouped-query attention folded, never expanded), so
-// each K/V block is read once per tile and used by every row. A block's keys are
-// transposed into a small buffer first, so that both products are vectorized broadcasts
-// (scores over the block's keys, outputs over head_dim) rather than horizontal sums.
-// Softmax is computed online (running max and sum), one block at a time, in float32
-// whatever the storage dtype. Threads come from ATen's intra-op pool (torch's
-// set_num_threads), so the kernel shares the linear layers' threads and never spins
-// beside them.
+// sharing that KV head become the tile's rows (grouped-query attention folded, never
+// expanded), so each K/V block is read once per tile and used by every row. Keys are
+// taken a chunk of whole blocks at a time into a small float buffer that stays in
+// cache, and both products run as BLAS GEMMs on it (scores = Q K^T, then out += P V);
+// softmax is online (running max and sum per row), in float32 whatever the storage
+// dtype. Threads come from ATen's intra-op pool (torch.set_num_threads), the same threads
+// the linear layers use, so nothing spins beside them.
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -20,88 +20,116 @@
 #include <cstdint>
 #include <vector>
 
+// The BLAS torch itself links (MKL in its CPU wheels); column-major, Fortran calling.
+extern "C" void sgemm_(const char* transa, const char* transb, const int* m, const int* n,
+                       const int* k, const float* alpha, const float* a, const int* lda,
+                       const float* b, const int* ldb, const float* beta, float* c,
+                       const int* ldc);
+
 namespace {
 
-constexpr int64_t kQueryTile = 16;  // new tokens per work item: bounds the row buffers
+constexpr int64_t kQueryTile = 32;   // new tokens per work item
+constexpr int64_t kKeyChunk = 256;   // keys per GEMM (whole blocks; at least one block)
 // Built with -ffast-math (vectorized exp), which assumes no infinities: a finite floor
-// stands for "no score yet". Every row sees at least one key, so it is always replaced.
-constexpr float kNoScore = -1e30f;
+// stands for "masked" and "no score yet". Every row sees at least one key.
+constexpr float kMasked = -1e30f;
+
+// Row-major out[rows][cols] = alpha * a[rows][inner] . b[cols][inner]^T + beta * out.
+void gemm_abt(int64_t rows, int64_t cols, int64_t inner, const float* a, const float* b,
+              float beta, float* out) {
+  const int m = static_cast<int>(cols), n = static_cast<int>(rows), k = static_cast<int>(inner);
+  const float alpha = 1.0f;
+  sgemm_("T", "N", &m, &n, &k, &alpha, b, &k, a, &k, &beta, out, &m);
+}
+
+// Row-major out[rows][cols] += a[rows][inner] . b[inner][cols].
+void gemm_ab_accumulate(int64_t rows, int64_t cols, int64_t inner, const float* a,
+                        const float* b, float* out) {
+  const int m = static_cast<int>(cols), n = static_cast<int>(rows), k = static_cast<int>(inner);
+  const float alpha = 1.0f, beta = 1.0f;
+  sgemm_("N", "N", &m, &n, &k, &alpha, b, &m, a, &k, &beta, out, &m);
+}
+
+struct Buffers {
+  std::vector<float> query, acc, row_max, row_sum, keys, values, scores;
+};
 
 template <typename scalar_t>
 void attend_tile(const scalar_t* q, int64_t q_token_stride, int64_t q_head_stride,
                  const scalar_t* pool, int64_t block_size, int64_t slot_stride,
                  int64_t kv_heads, int64_t head_dim, const int64_t* table,
                  int64_t first_position, int64_t num_queries, int64_t group, int64_t kv_head,
-                 int64_t window, float scale, scalar_t* out, int64_t out_token_stride) {
+                 int64_t window, float scale, scalar_t* out, int64_t out_token_stride,
+                 Buffers& buf) {
   const int64_t rows = num_queries * group;
-  std::vector<float> query(rows * head_dim), acc(rows * head_dim, 0.0f);
-  std::vector<float> row_max(rows, kNoScore);
-  std::vector<float> row_sum(rows, 0.0f);
-  std::vector<float> keys_t(head_dim * block_size), values(block_size * head_dim);
-  std::vector<float> scores(block_size);
-  for (int64_t i = 0; i < num_queries; ++i) {
-    for (int64_t g = 0; g < group; ++g) {
-      const scalar_t* src = q + i * q_token_stride + (kv_head * group + g) * q_head_stride;
-      float* dst = query.data() + (i * group + g) * head_dim;
-      for (int64_t d = 0; d < head_dim; ++d) dst[d] = static_cast<float>(src[d]) * scale;
-    }
+  const int64_t chunk_blocks = std::max<int64_t>(1, kKeyChunk / block_size);
+  const int64_t chunk_keys = chunk_blocks * block_size;
+  buf.query.resize(rows * head_dim);
+  buf.acc.assign(rows * head_dim, 0.0f);
+  buf.row_max.assign(rows, kMasked);
+  buf.row_sum.assign(rows, 0.0f);
+  buf.keys.resize(chunk_keys * head_dim);
+  buf.values.resize(chunk_keys * head_dim);
+  buf.scores.resize(rows * chunk_keys);
+  // Row r is query token r / group, head kv_head * group + r % group; scaled once here.
+  for (int64_t r = 0; r < rows; ++r) {
+    const scalar_t* src = q + (r / group) * q_token_stride + (kv_head * group + r % group) * q_head_stride;
+    float* dst = buf.query.data() + r * head_dim;
+    for (int64_t d = 0; d < head_dim; ++d) dst[d] = static_cast<float>(src[d]) * scale;
   }
   const int64_t last_position = first_position + num_queries - 1;
-  const int64_t lowest_key =
-      window > 0 ? std::max<int64_t>(0, first_position - window + 1) : 0;
-  for (int64_t block = lowest_key / block_size; block <= last_position / block_size; ++block) {
-    const scalar_t* slots = pool + table[block] * block_size * slot_stride;
-    for (int64_t j = 0; j < block_size; ++j) {
-      const scalar_t* k = slots + j * slot_stride + kv_head * head_dim;
-      const scalar_t* v = slots + j * slot_stride + (kv_heads + kv_head) * head_dim;
-      for (int64_t d = 0; d < head_dim; ++d) {
-        keys_t[d * block_size + j] = static_cast<float>(k[d]);
-        values[j * head_dim + d] = static_cast<float>(v[d]);
+  const int64_t lowest_key = window > 0 ? std::max<int64_t>(0, first_position - window + 1) : 0;
+  const int64_t first_block = lowest_key / block_size, end_block = last_position / block_size + 1;
+  for (int64_t chunk = first_block; chunk < end_block; chunk += chunk_blocks) {
+    const int64_t blocks = std::min(chunk_blocks, end_block - chunk);
+    const int64_t keys = blocks * block_size, key_start = chunk * block_size;
+    for (int64_t b = 0; b < blocks; ++b) {
+      const scalar_t* slots = pool + table[chunk + b] * block_size * slot_stride;
+      for (int64_t j = 0; j < block_size; ++j) {
+        const scalar_t* k = slots + j * slot_stride + kv_head * head_dim;
+        const scalar_t* v = slots + j * slot_stride + (kv_heads + kv_head) * head_dim;
+        float* kd = buf.keys.data() + (b * block_size + j) * head_dim;
+        float* vd = buf.values.data() + (b * block_size + j) * head_dim;
+        for (int64_t d = 0; d < head_dim; ++d) {
+          kd[d] = static_cast<float>(k[d]);
+          vd[d] = static_cast<float>(v[d]);
+        }
       }
     }
-    const int64_t block_start = block * block_size;
+    float* scores = buf.scores.data();
+    gemm_abt(rows, keys, head_dim, buf.query.data(), buf.keys.data(), 0.0f, scores);
     for (int64_t r = 0; r < rows; ++r) {
       const int64_t position = first_position + r / group;
-      // Keys this query may see in the block: [low, high).
-      const int64_t low = std::max<int64_t>(0, window > 0 ? position - window + 1 - block_start : 0);
-      const int64_t high = std::min<int64_t>(block_size, position + 1 - block_start);
-      if (low >= high) continue;
-      const float* qr = query.data() + r * head_dim;
-      float* s = scores.data();
-      for (int64_t j = 0; j < block_size; ++j) s[j] = 0.0f;
-      for (int64_t d = 0; d < head_dim; ++d) {
-        const float qd = qr[d];
-        const float* kd = keys_t.data() + d * block_size;
-#pragma omp simd
-        for (int64_t j = 0; j < block_size; ++j) s[j] += qd * kd[j];
+      // Keys of the chunk this row may see: [low, high).
+      const int64_t low = std::max<int64_t>(0, (window > 0 ? position - window + 1 : 0) - key_start);
+      const int64_t high = std::min<int64_t>(keys, position + 1 - key_start);
+      float* s = scores + r * keys;
+      if (low >= high) {  // nothing visible: contributes nothing to the P V product
+        std::fill(s, s + keys, 0.0f);
+        continue;
       }
-      float block_max = kNoScore;
-      for (int64_t j = low; j < high; ++j) block_max = std::max(block_max, s[j]);
-      const float new_max = std::max(row_max[r], block_max);
-      const float correction = std::exp(row_max[r] - new_max);
+      float chunk_max = kMasked;
+      for (int64_t j = low; j < high; ++j) chunk_max = std::max(chunk_max, s[j]);
+      const float new_max = std::max(buf.row_max[r], chunk_max);
+      const float correction = std::exp(buf.row_max[r] - new_max);
       float sum = 0.0f;
 #pragma omp simd reduction(+ : sum)
-      for (int64_t j = 0; j < block_size; ++j) {
+      for (int64_t j = 0; j < keys; ++j) {
         const float p = (j >= low && j < high) ? std::exp(s[j] - new_max) : 0.0f;
         s[j] = p;
         sum += p;
       }
-      row_sum[r] = row_sum[r] * correction + sum;
-      row_max[r] = new_max;
-      float* a = acc.data() + r * head_dim;
+      buf.row_sum[r] = buf.row_sum[r] * correction + sum;
+      buf.row_max[r] = new_max;
+      float* a = buf.acc.data() + r * head_dim;
 #pragma omp simd
       for (int64_t d = 0; d < head_dim; ++d) a[d] *= correction;
-      for (int64_t j = low; j < high; ++j) {
-        const float p = s[j];
-        const float* vj = values.data() + j * head_dim;
-#pragma omp simd
-        for (int64_t d = 0; d < head_dim; ++d) a[d] += p * vj[d];
-      }
     }
+    gemm_ab_accumulate(rows, head_dim, keys, scores, buf.values.data(), buf.acc.data());
   }
   for (int64_t r = 0; r < rows; ++r) {
-    const float inverse = 1.0f / row_sum[r];
-    const float* a = acc.data() + r * head_dim;
+    const float inverse = 1.0f / buf.row_sum[r];
+    const float* a = buf.acc.data() + r * head_dim;
     scalar_t* dst = out + (r / group) * out_token_stride + (kv_head * group + r % group) * head_dim;
     for (int64_t d = 0; d < head_dim; ++d) dst[d] = static_cast<scalar_t>(a[d] * inverse);
   }
@@ -145,6 +173,7 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& pool, const at
     scalar_t* out_data = out.data_ptr<scalar_t>();
     const int64_t* table_data = tables.data_ptr<int64_t>();
     at::parallel_for(0, num_items, 1, [&](int64_t begin, int64_t end) {
+      Buffers buffers;  // per thread: reused by all of its work items
       for (int64_t item = begin; item < end; ++item) {
         const int64_t pair = item / kv_heads, kv_head = item % kv_heads;
         const int64_t n = item_sequence[pair], tile = item_tile[pair];
@@ -154,7 +183,8 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& pool, const at
                               pool_data, block_size, pool.stride(1), kv_heads, head_dim,
                               table_data + n * width, start + tile, count, group, kv_head,
                               window, static_cast<float>(scale),
-                              out_data + (first + tile) * heads * head_dim, heads * head_dim);
+                              out_data + (first + tile) * heads * head_dim, heads * head_dim,
+                              buffers);
       }
     });
   });
