@@ -100,18 +100,16 @@ def _serve_vllm(args: argparse.Namespace) -> Any:
 
 
 def _serve_kvserve(args: argparse.Namespace) -> Any:
-    import torch
-
     from kvserve import LLM, SamplingParams
+    from kvserve.engine.device import use_threads
 
-    torch.set_num_threads(args.threads)
-    options: dict[str, Any] = {
-        "max_num_seqs": args.max_num_seqs,
-        "max_num_batched_tokens": args.max_batched_tokens,
-    }
-    if args.dtype != "float32":
-        options["dtype"] = args.dtype
-    llm = LLM(args.model, **options)
+    use_threads(args.threads)
+    llm = LLM(
+        args.model,
+        dtype=args.dtype,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_batched_tokens,
+    )
 
     def generate(prompts: list[list[int]], output_len: int) -> list[list[int]]:
         params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)

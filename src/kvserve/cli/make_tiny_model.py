@@ -19,10 +19,10 @@ def register(app: typer.Typer) -> None:
         num_heads: Annotated[int, typer.Option(help="Query heads.")] = 4,
         num_kv_heads: Annotated[int, typer.Option(help="Key/value heads.")] = 2,
         num_layers: Annotated[
-            int | None, typer.Option(help="Decoder layers [default: the family's].")
+            int | None, typer.Option(help="Decoder layers (default: the family's).")
         ] = None,
         head_dim: Annotated[
-            int | None, typer.Option(help="Width of a head [default: the family's].")
+            int | None, typer.Option(help="Width of a head (default: the family's).")
         ] = None,
         dtype: Annotated[
             str, typer.Option(help="Checkpoint dtype the config declares: float32 | bfloat16.")

@@ -50,7 +50,7 @@ def register(app: typer.Typer) -> None:
         ] = "auto",
         threads: Annotated[
             int | None,
-            typer.Option(help="Intra-op threads [default: every CPU this process may use]."),
+            typer.Option(help="Intra-op threads (default: every CPU this process may use)."),
         ] = None,
         runner: Annotated[
             str, typer.Option(help="model | sim (cost-model step times, no weights).")
