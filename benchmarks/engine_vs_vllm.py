@@ -40,6 +40,10 @@ from pathlib import Path
 from typing import Any, TextIO
 
 ROOT = Path(__file__).resolve().parent.parent
+# The environment each engine's process starts from, taken before kvserve is imported here
+# (importing kvserve.engine sets OMP_WAIT_POLICY, kvserve's own default, which vLLM should
+# not inherit: each engine runs with its own defaults).
+INHERITED_ENV = dict(os.environ)
 VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
 # vLLM's CPU attention needs a block size that is a multiple of 32.
 VLLM_BLOCK_SIZE = 128
@@ -143,7 +147,7 @@ class Engine:
         self.name = name
         cores = ",".join(str(c) for c in sorted(os.sched_getaffinity(0))[:threads])
         env = {
-            **os.environ,
+            **INHERITED_ENV,
             "OMP_NUM_THREADS": str(threads),
             "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
             "VLLM_CPU_KVCACHE_SPACE": "2",

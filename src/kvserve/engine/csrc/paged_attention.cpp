@@ -19,6 +19,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <vector>
 
 // The BLAS torch itself links (MKL in its CPU wheels); column-major, Fortran calling.
@@ -28,6 +29,17 @@ extern "C" void sgemm_(const char* transa, const char* transb, const int* m, con
                        const int* ldc);
 
 namespace {
+
+// Storage element to float. bf16 is the top half of a float: a shift the compiler
+// vectorizes inside the dot products (c10's conversion operator is not vectorized there).
+inline float to_float(float x) { return x; }
+inline float to_float(c10::Half x) { return static_cast<float>(x); }
+inline float to_float(c10::BFloat16 x) {
+  const uint32_t bits = static_cast<uint32_t>(x.x) << 16;
+  float value;
+  std::memcpy(&value, &bits, sizeof value);
+  return value;
+}
 
 constexpr int64_t kQueryTile = 32;   // new tokens per work item
 constexpr int64_t kKeyChunk = 256;   // keys per GEMM (whole blocks; at least one block)
@@ -79,7 +91,7 @@ void attend_rows_direct(const float* query, int64_t rows, int64_t group,
         const scalar_t* k = slots + j * slot_stride + kv_head * head_dim;
         float dot = 0.0f;
 #pragma omp simd reduction(+ : dot)
-        for (int64_t d = 0; d < head_dim; ++d) dot += qr[d] * static_cast<float>(k[d]);
+        for (int64_t d = 0; d < head_dim; ++d) dot += qr[d] * to_float(k[d]);
         s[j] = dot;
         block_max = std::max(block_max, dot);
       }
@@ -89,12 +101,16 @@ void attend_rows_direct(const float* query, int64_t rows, int64_t group,
 #pragma omp simd
       for (int64_t d = 0; d < head_dim; ++d) a[d] *= correction;
       float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
       for (int64_t j = low; j < high; ++j) {
-        const float p = std::exp(s[j] - new_max);
-        sum += p;
+        s[j] = std::exp(s[j] - new_max);
+        sum += s[j];
+      }
+      for (int64_t j = low; j < high; ++j) {
+        const float p = s[j];
         const scalar_t* v = slots + j * slot_stride + (kv_heads + kv_head) * head_dim;
 #pragma omp simd
-        for (int64_t d = 0; d < head_dim; ++d) a[d] += p * static_cast<float>(v[d]);
+        for (int64_t d = 0; d < head_dim; ++d) a[d] += p * to_float(v[d]);
       }
       row_sum[r] = row_sum[r] * correction + sum;
       row_max[r] = new_max;
@@ -131,8 +147,8 @@ void attend_rows_gemm(int64_t rows, int64_t group, const scalar_t* pool, int64_t
         float* kd = buf.keys.data() + (b * block_size + j) * head_dim;
         float* vd = buf.values.data() + (b * block_size + j) * head_dim;
         for (int64_t d = 0; d < head_dim; ++d) {
-          kd[d] = static_cast<float>(k[d]);
-          vd[d] = static_cast<float>(v[d]);
+          kd[d] = to_float(k[d]);
+          vd[d] = to_float(v[d]);
         }
       }
     }
@@ -188,7 +204,7 @@ void attend_tile(const scalar_t* q, int64_t q_token_stride, int64_t q_head_strid
   for (int64_t r = 0; r < rows; ++r) {
     const scalar_t* src = q + (r / group) * q_token_stride + (kv_head * group + r % group) * q_head_stride;
     float* dst = buf.query.data() + r * head_dim;
-    for (int64_t d = 0; d < head_dim; ++d) dst[d] = static_cast<float>(src[d]) * scale;
+    for (int64_t d = 0; d < head_dim; ++d) dst[d] = to_float(src[d]) * scale;
   }
   if (rows <= kMaxDirectRows) {
     attend_rows_direct<scalar_t>(buf.query.data(), rows, group, pool, block_size, slot_stride,
