@@ -11,6 +11,12 @@ python3 -m venv .venv
 # this platform (CUDA on Linux x86_64). The line printed below says which one came.
 .venv/bin/python -m pip install -q "torch==2.13.0"
 .venv/bin/python -m pip install -q -e ".[${extras}]"
+# Build the CPU paged-attention kernel now (cached under ~/.cache/kvserve), not in the
+# first engine that starts: without a compiler this prints False and the engine uses its
+# pure-torch attention.
+if [[ ",${extras}," == *",engine,"* ]]; then
+    .venv/bin/python -c "from kvserve.engine import paged_kernel; print('paged kernel built:', paged_kernel.load())"
+fi
 .venv/bin/python -c "import torch; print(f'torch {torch.__version__}:', \
 f'CUDA {torch.version.cuda} build' if torch.version.cuda else 'CPU build', \
 f'(GPU visible: {torch.cuda.is_available()})')"

@@ -38,7 +38,7 @@ SECOND_BATCH = [
 
 
 @pytest.fixture(scope="module", params=ARCHES)
-def model_dir(request, tiny_model_dirs):
+def model_dir(request, tiny_model_dirs, attention_path):
     return tiny_model_dirs[request.param]
 
 
@@ -80,7 +80,7 @@ def assert_matches_oracle(results, prompts, oracle) -> None:
 
 
 def test_mixed_lengths_then_shared_prefixes(model_dir, oracle):
-    engine = LLMEngine(model_dir, block_size=BLOCK_SIZE, num_blocks=512)
+    engine = LLMEngine(model_dir, block_size=BLOCK_SIZE, num_blocks=512, dtype="float32")
     first = run_checked(engine, FIRST_BATCH, "first")
     assert_matches_oracle(first, FIRST_BATCH, oracle)
     computed_before = engine.scheduler.stats.computed_tokens
@@ -94,12 +94,14 @@ def test_mixed_lengths_then_shared_prefixes(model_dir, oracle):
 
 
 def test_chunked_prefill_with_a_small_budget(model_dir, oracle):
-    engine = LLMEngine(model_dir, block_size=BLOCK_SIZE, num_blocks=512, max_num_batched_tokens=7)
+    engine = LLMEngine(
+        model_dir, block_size=BLOCK_SIZE, num_blocks=512, max_num_batched_tokens=7, dtype="float32"
+    )
     assert_matches_oracle(run_checked(engine, FIRST_BATCH, "chunked"), FIRST_BATCH, oracle)
 
 
 def test_preemption_in_a_tiny_pool(model_dir, oracle):
-    engine = LLMEngine(model_dir, block_size=BLOCK_SIZE, num_blocks=36)
+    engine = LLMEngine(model_dir, block_size=BLOCK_SIZE, num_blocks=36, dtype="float32")
     prompts = FIRST_BATCH + SECOND_BATCH[:1]
     results = run_checked(engine, prompts, "tiny")
     assert engine.scheduler.stats.preemptions > 0

@@ -30,7 +30,7 @@ def variant(source: Path, target: Path, **config_changes) -> Path:
 
 
 def runner_logits(folder: Path, tokens: list[int] = TOKENS) -> torch.Tensor:
-    runner = ModelRunner(folder, num_blocks=16, block_size=4)
+    runner = ModelRunner(folder, num_blocks=16, block_size=4, dtype=torch.float32)
     return runner.forward([SequenceBatchItem(tokens, 0, list(range(15, 5, -1)))])[0]
 
 

@@ -10,6 +10,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from kvserve.engine import paged_kernel
 from kvserve.engine.decode_rows import DecodeRows
 from kvserve.engine.model_runner import ModelRunner, SequenceBatchItem
 from kvserve.engine.tiny_model import ARCHES
@@ -47,9 +48,9 @@ def shuffled_blocks(count: int, seed: int) -> list[int]:
 
 
 @pytest.fixture(scope="module")
-def runners(tiny_model_dirs: dict[str, Path]) -> dict[str, ModelRunner]:
+def runners(tiny_model_dirs: dict[str, Path], attention_path: str) -> dict[str, ModelRunner]:
     return {
-        arch: ModelRunner(path, num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE)
+        arch: ModelRunner(path, num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE, dtype=torch.float32)
         for arch, path in tiny_model_dirs.items()
     }
 
@@ -146,15 +147,20 @@ def test_half_precision_path_stays_close_to_float32(tiny_model_dirs, tokenizers)
     assert torch.equal(outputs[torch.bfloat16].argmax(-1), outputs[torch.float32].argmax(-1))
 
 
-@pytest.mark.parametrize("rows_memory", [None, 0], ids=["decode rows", "gathered blocks"])
-def test_decodes_of_sequences_that_come_and_go(rows_memory, tiny_model_dirs, tokenizers):
+@pytest.mark.parametrize(
+    "rows_memory", ["kernel", None, 0], ids=["paged kernel", "decode rows", "gathered blocks"]
+)
+def test_decodes_of_sequences_that_come_and_go(
+    rows_memory, tiny_model_dirs, tokenizers, monkeypatch
+):
     """Decode rows are kept, moved down when earlier sequences leave, and refilled when a
     key shows up at a position its row does not expect (another sequence reusing it);
-    with no memory for rows, decodes attend over gathered blocks. Logits match the oracle
-    at every step."""
+    with no memory for rows, decodes attend over gathered blocks; the paged kernel needs
+    no rows. Logits match the oracle at every step."""
     folder, tokenizer = tiny_model_dirs["llama"], tokenizers["llama"]
-    runner = ModelRunner(folder, num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE)
-    if rows_memory is not None:
+    monkeypatch.setenv(paged_kernel.ENV_SWITCH, "1" if rows_memory == "kernel" else "0")
+    runner = ModelRunner(folder, num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE, dtype=torch.float32)
+    if isinstance(rows_memory, int):
         runner.decode_rows = DecodeRows(runner.kv_pool, max_bytes=rows_memory)
     prompts = [tokenizer.encode(text) for text in PROMPTS]
     blocks = shuffled_blocks(NUM_BLOCKS, seed=7)
@@ -174,7 +180,8 @@ def test_decodes_of_sequences_that_come_and_go(rows_memory, tiny_model_dirs, tok
     step((0, -3, "a"), (1, -3, "b"), (2, -3, "c"), (3, -3, "d"))
     step((2, -2, "c"), (3, -2, "d"))  # a and b leave: the rows of c and d move down
     step((3, -1, "d"), (1, -2, "c"), (0, -2, "a"))  # key c now names sequence 1; a returns
-    assert (runner.decode_rows.row_capacity > 0) == (rows_memory is None)
+    uses_rows = rows_memory is None or (rows_memory == "kernel" and not paged_kernel.load())
+    assert (runner.decode_rows.row_capacity > 0) == uses_rows
 
 
 @pytest.mark.parametrize("num_resumed", [2, 6], ids=["alone", "one padded group"])
@@ -194,3 +201,30 @@ def test_prefill_chunks_grouped_any_way_give_their_own_logits(num_resumed, runne
     batch += [SequenceBatchItem(prompts[i], 0, tables[i]) for i in range(num_resumed, 8)]
     for ours, reference in zip(runner.forward(batch), alone, strict=True):
         torch.testing.assert_close(ours, reference, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("arch", ARCHES)
+def test_bfloat16_is_as_close_to_float32_as_transformers_in_bfloat16(
+    arch, tiny_model_dirs, attention_path
+):
+    """bf16 cannot match float32 exactly (8-bit mantissas; greedy choices between near-tied
+    logits flip), so its tolerance is transformers' own: against transformers in float32,
+    our bf16 logits (prefill chunk, then decodes) may be off by no more than transformers
+    in bf16 is on the same tokens, with a 1.5x margin for summation order."""
+    folder, rng = tiny_model_dirs[arch], random.Random(3)
+    tokens = [rng.randrange(10, 900) for _ in range(60)]
+    with torch.no_grad():
+        exact = oracle(folder)(torch.tensor([tokens])).logits[0, 40:]
+        theirs = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16)(
+            torch.tensor([tokens])
+        ).logits[0, 40:]
+    runner = ModelRunner(folder, num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE, dtype=torch.bfloat16)
+    table = shuffled_blocks(16, seed=4)
+    first = runner.forward([SequenceBatchItem(tokens[:41], 0, table)])
+    rest = [
+        runner.forward([SequenceBatchItem([t], p, table)]) for p, t in enumerate(tokens) if p > 40
+    ]
+    ours = torch.cat([first, *rest])
+    our_error, their_error = (ours - exact).abs(), (theirs.float() - exact).abs()
+    assert our_error.max() <= 1.5 * their_error.max()
+    assert our_error.mean() <= 1.5 * their_error.mean()

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
-from kvserve.engine.tiny_model import make_tiny_model
+from kvserve.engine.tiny_model import TinyShape, make_tiny_model
 from kvserve.model_folder.config import ModelConfig
 
 KVSERVE = str(Path(sys.executable).parent / "kvserve")
@@ -74,3 +74,45 @@ def test_cli_rejects_an_unknown_arch(tmp_path):
 def test_unknown_arch_is_refused_by_the_function(tmp_path):
     with pytest.raises(ValueError, match="unknown tiny model arch"):
         make_tiny_model(tmp_path, "gpt2")
+
+
+def test_widths_reach_config_and_weights_and_transformers_loads_them(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    widths = {"hidden_size": 96, "intermediate_size": 160, "num_heads": 6, "num_kv_heads": 3}
+    shape = TinyShape(**widths, num_layers=2, head_dim=24)
+    folder = make_tiny_model(tmp_path, "qwen3", seed=0, shape=shape)
+    config = ModelConfig.from_dir(folder)
+    assert (config.hidden_size, config.intermediate_size, config.num_layers) == (96, 160, 2)
+    assert (config.num_heads, config.num_kv_heads, config.head_dim) == (6, 3, 24)
+    weights = load_file(folder / "model.safetensors")
+    assert weights["model.layers.1.self_attn.k_proj.weight"].shape == (3 * 24, 96)
+    assert weights["model.layers.1.mlp.down_proj.weight"].shape == (96, 160)
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder)
+    assert sum(p.numel() for p in model.parameters()) == sum(w.numel() for w in weights.values())
+
+
+@pytest.mark.parametrize(
+    ("shape", "message"),
+    [
+        (TinyShape(num_heads=4, num_kv_heads=3), "do not share"),
+        (TinyShape(head_dim=15), "even"),
+        (TinyShape(hidden_size=0), "positive"),
+    ],
+)
+def test_bad_widths_are_refused(tmp_path, shape, message):
+    with pytest.raises(ValueError, match=message):
+        make_tiny_model(tmp_path, "llama", shape=shape)
+
+
+def test_cli_width_options(tmp_path):
+    result = subprocess.run(
+        [
+            *(KVSERVE, "make-tiny-model", str(tmp_path / "m"), "--arch", "qwen3"),
+            *("--hidden-size", "128", "--num-layers", "1", "--head-dim", "64"),
+        ],
+        capture_output=True,
+        text=True,
+    )
+    assert result.returncode == 0, result.stderr
+    config = json.loads((tmp_path / "m" / "config.json").read_text())
+    assert (config["hidden_size"], config["num_hidden_layers"], config["head_dim"]) == (128, 1, 64)

@@ -39,6 +39,17 @@ def register(app: typer.Typer) -> None:
             float, typer.Option(help="Seconds in-flight requests get on SIGTERM.")
         ] = 30.0,
         device: Annotated[str | None, typer.Option(help="cpu | cuda (default: best).")] = None,
+        dtype: Annotated[
+            str,
+            typer.Option(
+                help="auto | float32 | bfloat16 | float16. auto: the checkpoint's on CUDA; "
+                "on CPU bf16 where the CPU has native bf16 (AVX512-BF16, AMX), else float32."
+            ),
+        ] = "auto",
+        threads: Annotated[
+            int | None,
+            typer.Option(help="Intra-op threads (default: every CPU this process may use)."),
+        ] = None,
         runner: Annotated[
             str, typer.Option(help="model | sim (cost-model step times, no weights).")
         ] = "model",
@@ -80,6 +91,11 @@ def register(app: typer.Typer) -> None:
         from kvserve.worker.config import WorkerConfig, is_role, is_runner
         from kvserve.worker.server import serve
 
+        dtypes = ("auto", "float32", "bfloat16", "float16")  # engine.device's (no torch here)
+        if dtype not in dtypes:
+            raise typer.BadParameter(f"choose one of {', '.join(dtypes)}", param_hint="--dtype")
+        if threads is not None and threads < 1:
+            raise typer.BadParameter("must be at least 1", param_hint="--threads")
         if not is_role(role):
             raise typer.BadParameter("role must be mixed, prefill or decode", param_hint="--role")
         from kvserve.core.cost_model import profile
@@ -124,6 +140,8 @@ def register(app: typer.Typer) -> None:
                 model_name=served_model_name,
                 shutdown_timeout_s=shutdown_timeout,
                 device=device,
+                dtype=dtype,
+                threads=threads,
                 runner=runner,
                 sim_profile=sim_profile,
                 pd=PDConfig(pd_min_remote_tokens, pd_local_hit_fraction),

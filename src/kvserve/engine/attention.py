@@ -74,6 +74,9 @@ class StepLayout:
     # (a slice when they are the step's first ones, as the scheduler puts decodes first).
     row_slots: tuple[torch.Tensor, torch.Tensor] | None  # (row, position) per decode token
     row_token_index: torch.Tensor | slice
+    # For the in-place kernel (then ``groups`` is empty): block tables [N, max_blocks] and
+    # per sequence (start_pos, num_new, flat index of its first token) [N, 3].
+    in_place: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @classmethod
     def build(
@@ -86,10 +89,12 @@ class StepLayout:
         dtype: torch.dtype,
         device: torch.device,
         rows: RowPlacement | None = None,
+        in_place: bool = False,
     ) -> StepLayout:
         """Python touches each sequence once and each of its blocks once, never each token:
         positions and slots are appended a block's run at a time. ``rows``: where the
-        single-token spans (in order) attend from, if they use decode rows."""
+        single-token spans (in order) attend from, if they use decode rows. ``in_place``:
+        attention runs as the paged kernel, which reads the pool itself (no groups)."""
         counts = [span.num_new for span in spans]
         used_blocks = [-(-(span.start_pos + span.num_new) // block_size) for span in spans]
         all_single = max(counts) == 1
@@ -120,6 +125,16 @@ class StepLayout:
             offset += span.num_new
         tables = long_tensor(padded_tables, device).view(len(spans), width)
         starts, num_new, offsets = long_tensor(per_sequence, device).view(3, -1)
+        if in_place:
+            return cls(
+                positions=long_tensor(positions, device),
+                slots=long_tensor(slots, device),
+                last_token_index=None if all_single else offsets + num_new - 1,
+                groups=(),
+                row_slots=None,
+                row_token_index=slice(0),
+                in_place=(tables, torch.stack((starts, num_new, offsets), dim=1)),
+            )
         step = _StepTensors(tables, starts, num_new, offsets)
         decode = [i for i, count in enumerate(counts) if count == 1]
         members_of_groups = ([decode] if decode else []) + _prefill_groups(spans)
@@ -337,6 +352,12 @@ def paged_attention(
     in ``kv_pool`` (``[num_blocks, block_size, 2 * num_kv_heads, head_dim]``) and, for
     decodes placed in rows, in ``kv_rows`` (``[rows, 2 * num_kv_heads, positions,
     head_dim]``). Returns the attention output ``[T, num_heads, head_dim]``."""
+    if layout.in_place is not None:
+        tables, sequences = layout.in_place
+        in_place: torch.Tensor = torch.ops.kvserve_kernels.paged_attention(
+            q, kv_pool, tables, sequences, window or 0, scale
+        )
+        return in_place
     _, num_heads, head_dim = q.shape
     num_kv_heads = kv_pool.shape[2] // 2
     out = None

@@ -1,10 +1,16 @@
-"""Where the model runs and in which dtype, when the caller does not say.
+"""Where the model runs, in which dtype and on how many threads, when the caller does not say.
 
-CPU kernels for bf16/fp16 are slow and lose accuracy against the float32 oracle, so CPU
-runs in float32; CUDA runs the checkpoint's own dtype (as its authors intended).
+CUDA runs the checkpoint's own dtype (as its authors intended). A CPU runs a bf16
+checkpoint in bf16 only where it has native bf16 arithmetic (AVX512-BF16 or AMX): there
+bf16 GEMMs are several times faster than float32 ones, while elsewhere bf16 is emulated,
+slower than float32 and less accurate; everything else runs in float32 on CPU.
 """
 
 from __future__ import annotations
+
+import functools
+import os
+from pathlib import Path
 
 import torch
 
@@ -16,6 +22,9 @@ _DTYPES = {
     "float16": torch.float16,
     "bfloat16": torch.bfloat16,
 }
+DTYPE_CHOICES = ("auto", *_DTYPES)
+# CPU feature flags (as /proc/cpuinfo names them) that make bf16 GEMMs native.
+_NATIVE_BF16_FLAGS = frozenset({"avx512_bf16", "amx_bf16"})
 
 
 def pick_device(requested: str | None) -> torch.device:
@@ -24,14 +33,51 @@ def pick_device(requested: str | None) -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
+def parse_dtype(name: str | torch.dtype | None) -> torch.dtype | None:
+    """``"auto"`` (or None) → None, which :func:`pick_dtype` resolves; else the dtype."""
+    if name is None or isinstance(name, torch.dtype):
+        return name
+    if name == "auto":
+        return None
+    try:
+        return _DTYPES[name]
+    except KeyError:
+        choices = ", ".join(DTYPE_CHOICES)
+        raise ValueError(f"unknown dtype {name!r}; choose one of {choices}") from None
+
+
+@functools.cache
+def cpu_has_native_bf16() -> bool:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:  # not Linux: no cheap way to tell, and float32 is always right
+        return False
+    flags = next((line for line in text.splitlines() if line.startswith("flags")), "")
+    return not _NATIVE_BF16_FLAGS.isdisjoint(flags.split(":", 1)[-1].split())
+
+
 def pick_dtype(
     config: ModelConfig, device: torch.device, requested: torch.dtype | None
 ) -> torch.dtype:
     if requested is not None:
         return requested
     if device.type == "cpu":
-        return torch.float32
+        native = config.dtype == "bfloat16" and cpu_has_native_bf16()
+        return torch.bfloat16 if native else torch.float32
     try:
         return _DTYPES[config.dtype]
     except KeyError:
         raise ModelLoadError(f"unsupported checkpoint dtype {config.dtype!r}") from None
+
+
+def use_threads(count: int | None) -> int:
+    """Run torch's intra-op work on ``count`` threads (None: one per CPU this process may
+    use, which torch's own default undercounts under an affinity mask or in a container).
+    Returns the count."""
+    if count is None:
+        count = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
+        count = count or os.cpu_count() or 1
+    if count < 1:
+        raise ValueError(f"threads must be at least 1, got {count}")
+    torch.set_num_threads(count)
+    return count

@@ -24,7 +24,7 @@ from kvserve.core.sampling_params import InvalidParameterError, SamplingParams
 from kvserve.core.scheduler import ScheduledChunk, Scheduler, SchedulerConfig
 from kvserve.core.stop_checker import find_stop_string, stop_holdback, token_finish_reason
 from kvserve.engine.cost_model_runner import CostModelRunner
-from kvserve.engine.device import pick_device, pick_dtype
+from kvserve.engine.device import parse_dtype, pick_device, pick_dtype
 from kvserve.engine.errors import InvalidRequestError
 from kvserve.engine.kv_block_io import KVBlockLayout
 from kvserve.engine.kv_connector import (
@@ -93,6 +93,7 @@ class LLMEngine:
         max_num_batched_tokens: int = 512,
         max_num_seqs: int = 256,
         device: str | None = None,
+        dtype: str | None = None,  # float32 | bfloat16 | float16; "auto" or None: by device
         model_name: str | None = None,
         seed: int | None = None,
         runner: CostModelRunner | None = None,  # stands in for the model (no weights)
@@ -101,9 +102,9 @@ class LLMEngine:
     ) -> None:
         config = ModelConfig.from_dir(model_dir)
         if num_blocks is None:
-            dtype = pick_dtype(config, pick_device(device), None)
+            kv_dtype = pick_dtype(config, pick_device(device), parse_dtype(dtype))
             memory = DEFAULT_KV_CACHE_MEMORY if kv_cache_memory is None else kv_cache_memory
-            num_blocks = ModelRunner.blocks_for_memory(config, block_size, memory, dtype)
+            num_blocks = ModelRunner.blocks_for_memory(config, block_size, memory, kv_dtype)
         if num_blocks < 1:
             raise ValueError(f"the KV cache needs at least one block, got {num_blocks}")
         self.model_name = model_name or Path(model_dir).name
@@ -112,7 +113,11 @@ class LLMEngine:
         self.runner: ModelRunner | CostModelRunner
         if runner is None:
             model_runner = ModelRunner(
-                model_dir, num_blocks=num_blocks, block_size=block_size, device=device
+                model_dir,
+                num_blocks=num_blocks,
+                block_size=block_size,
+                device=device,
+                dtype=parse_dtype(dtype),
             )
             kv_pool = model_runner.kv_pool
             layout = KVBlockLayout.of_runner(model_runner, self.model_name)

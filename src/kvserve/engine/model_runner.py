@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from kvserve.engine import paged_kernel
 from kvserve.engine.attention import SequenceSpan, StepLayout, long_tensor
 from kvserve.engine.decode_rows import DecodeRows
 from kvserve.engine.device import pick_device, pick_dtype
@@ -66,7 +67,11 @@ class ModelRunner:
             device=self.device,
         )
         self._windows = set(self.config.sliding_windows)
-        rows_fraction = DECODE_ROWS_MEMORY_FRACTION if self.device.type == "cpu" else 0.0
+        # The paged kernel reads K/V in place, so decodes need no contiguous rows either.
+        self._in_place = paged_kernel.usable(self.device)
+        rows_fraction = (
+            DECODE_ROWS_MEMORY_FRACTION if self.device.type == "cpu" and not self._in_place else 0.0
+        )
         self.decode_rows = DecodeRows(
             self.kv_pool, max_bytes=int(rows_fraction * self.kv_pool.nbytes)
         )
@@ -90,10 +95,14 @@ class ModelRunner:
         """Float32 logits ``[len(batch), vocab_size]`` of each item's last new token."""
         self._check(batch)
         decoding = [item for item in batch if len(item.token_ids) == 1]
-        rows = self.decode_rows.place(
-            [item.sequence_key for item in decoding],
-            [item.start_pos for item in decoding],
-            [item.block_table for item in decoding],
+        rows = (
+            None
+            if self._in_place
+            else self.decode_rows.place(
+                [item.sequence_key for item in decoding],
+                [item.start_pos for item in decoding],
+                [item.block_table for item in decoding],
+            )
         )
         spans = [
             SequenceSpan(item.start_pos, len(item.token_ids), item.block_table) for item in batch
@@ -106,6 +115,7 @@ class ModelRunner:
             dtype=self.dtype,
             device=self.device,
             rows=rows,
+            in_place=self._in_place,
         )
         token_ids = array("q")
         for item in batch:

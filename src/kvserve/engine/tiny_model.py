@@ -1,7 +1,9 @@
 """Deterministic tiny random-weight model folders, so everything runs with no download.
 
 A folder is a real Hugging Face checkpoint in miniature: ``config.json`` as each family
-writes it, bf16 ``model.safetensors``, a byte-level BPE ``tokenizer.json`` trained here on
+writes it, bf16 ``model.safetensors`` (``torch_dtype`` float32 by default, so engines run
+them in float32 and match the float32 oracle exactly; ``bfloat16`` to exercise the bf16
+default a checkpoint of that dtype gets), a byte-level BPE ``tokenizer.json`` trained here on
 an embedded English corpus, ``tokenizer_config.json`` with the family's chat format, and
 ``generation_config.json``. ``transformers`` loads it, which is what the oracle tests need.
 Weights are scaled so that logits are well spread: greedy choices then do not hinge on
@@ -269,11 +271,38 @@ _FAMILIES = {
     "qwen3": _chatml_family("Qwen3ForCausalLM", "qwen3", num_layers=3, head_dim=32),
 }
 
-_HIDDEN = 64
-_INTERMEDIATE = 128
-_NUM_HEADS = 4
-_NUM_KV_HEADS = 2
 _MAX_POSITIONS = 4096
+
+
+@dataclass(frozen=True, slots=True)
+class TinyShape:
+    """Widths of a generated model. The defaults keep test models a few MB; benchmarks
+    widen them to realistic sizes (kernel speed is only meaningful on realistic widths).
+    ``None`` fields take the family's own value."""
+
+    hidden_size: int = 64
+    intermediate_size: int = 128
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    num_layers: int | None = None
+    head_dim: int | None = None
+
+    def check(self) -> None:
+        sizes = {
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_heads": self.num_heads,
+            "num_kv_heads": self.num_kv_heads,
+            "num_layers": self.num_layers or 1,
+            "head_dim": self.head_dim or 2,
+        }
+        for name, value in sizes.items():
+            if value <= 0:
+                raise ValueError(f"{name} must be positive, got {value}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"{self.num_heads} heads do not share {self.num_kv_heads} KV heads")
+        if (self.head_dim or 2) % 2:
+            raise ValueError(f"head_dim must be even (rotary pairs), got {self.head_dim}")
 
 
 def training_corpus() -> list[str]:
@@ -311,7 +340,7 @@ def _train_tokenizer(family: _Family) -> HFTokenizer:
     return tokenizer
 
 
-def _random_weights(config: dict[str, Any], family: _Family, seed: int) -> dict[str, torch.Tensor]:
+def _random_weights(config: dict[str, Any], seed: int) -> dict[str, torch.Tensor]:
     generator = torch.Generator().manual_seed(seed)
 
     def normal(*shape: int, std: float) -> torch.Tensor:
@@ -323,12 +352,14 @@ def _random_weights(config: dict[str, Any], family: _Family, seed: int) -> dict[
     def linear(out_dim: int, in_dim: int) -> torch.Tensor:
         return normal(out_dim, in_dim, std=in_dim**-0.5)
 
-    hidden, vocab, head_dim = _HIDDEN, config["vocab_size"], family.head_dim
-    q_size, kv_size = _NUM_HEADS * head_dim, _NUM_KV_HEADS * head_dim
+    hidden, vocab, head_dim = config["hidden_size"], config["vocab_size"], config["head_dim"]
+    inter, model_type = config["intermediate_size"], config["model_type"]
+    q_size = config["num_attention_heads"] * head_dim
+    kv_size = config["num_key_value_heads"] * head_dim
     # Small embeddings keep the residual stream from echoing the input token (which, with
     # tied embeddings, makes every model repeat one token).
     weights = {"model.embed_tokens.weight": normal(vocab, hidden, std=0.1)}
-    for i in range(family.num_layers):
+    for i in range(config["num_hidden_layers"]):
         p = f"model.layers.{i}."
         weights |= {
             p + "input_layernorm.weight": norm_weight(hidden),
@@ -337,34 +368,36 @@ def _random_weights(config: dict[str, Any], family: _Family, seed: int) -> dict[
             p + "self_attn.v_proj.weight": linear(kv_size, hidden),
             p + "self_attn.o_proj.weight": linear(hidden, q_size),
             p + "post_attention_layernorm.weight": norm_weight(hidden),
-            p + "mlp.gate_proj.weight": linear(_INTERMEDIATE, hidden),
-            p + "mlp.up_proj.weight": linear(_INTERMEDIATE, hidden),
-            p + "mlp.down_proj.weight": linear(hidden, _INTERMEDIATE),
+            p + "mlp.gate_proj.weight": linear(inter, hidden),
+            p + "mlp.up_proj.weight": linear(inter, hidden),
+            p + "mlp.down_proj.weight": linear(hidden, inter),
         }
-        if family.model_type == "qwen2":
+        if model_type == "qwen2":
             for name, size in (("q_proj", q_size), ("k_proj", kv_size), ("v_proj", kv_size)):
                 weights[f"{p}self_attn.{name}.bias"] = normal(size, std=0.1)
-        if family.model_type == "qwen3":
+        if model_type == "qwen3":
             weights[p + "self_attn.q_norm.weight"] = norm_weight(head_dim)
             weights[p + "self_attn.k_norm.weight"] = norm_weight(head_dim)
     weights["model.norm.weight"] = norm_weight(hidden)
-    if not family.tied:
+    if not config["tie_word_embeddings"]:
         weights["lm_head.weight"] = linear(vocab, hidden)
     return weights
 
 
-def _model_config(family: _Family, tokenizer: HFTokenizer) -> dict[str, Any]:
+def _model_config(
+    family: _Family, shape: TinyShape, tokenizer: HFTokenizer, dtype: str
+) -> dict[str, Any]:
     token_id = tokenizer.token_to_id
     config: dict[str, Any] = {
         "architectures": [family.architecture],
         "model_type": family.model_type,
         "vocab_size": tokenizer.get_vocab_size(),
-        "hidden_size": _HIDDEN,
-        "intermediate_size": _INTERMEDIATE,
-        "num_hidden_layers": family.num_layers,
-        "num_attention_heads": _NUM_HEADS,
-        "num_key_value_heads": _NUM_KV_HEADS,
-        "head_dim": family.head_dim,
+        "hidden_size": shape.hidden_size,
+        "intermediate_size": shape.intermediate_size,
+        "num_hidden_layers": shape.num_layers or family.num_layers,
+        "num_attention_heads": shape.num_heads,
+        "num_key_value_heads": shape.num_kv_heads,
+        "head_dim": shape.head_dim or family.head_dim,
         "hidden_act": "silu",
         "max_position_embeddings": _MAX_POSITIONS,
         "rms_norm_eps": 1e-6,
@@ -373,7 +406,7 @@ def _model_config(family: _Family, tokenizer: HFTokenizer) -> dict[str, Any]:
         "attention_dropout": 0.0,
         "bos_token_id": token_id(family.bos) if family.bos else None,
         "eos_token_id": token_id(family.eos),
-        "torch_dtype": "bfloat16",
+        "torch_dtype": dtype,
         "use_cache": True,
         **family.rope,
     }
@@ -394,15 +427,27 @@ def _tokenizer_config(family: _Family) -> dict[str, Any]:
     }
 
 
-def make_tiny_model(model_dir: str | Path, arch: str, seed: int = 0) -> Path:
-    """Write the folder (created if needed) and return its path; same inputs, same bytes."""
+def make_tiny_model(
+    model_dir: str | Path,
+    arch: str,
+    seed: int = 0,
+    shape: TinyShape | None = None,
+    dtype: str = "float32",
+) -> Path:
+    """Write the folder (created if needed) and return its path; same inputs, same bytes.
+    ``dtype``: the checkpoint dtype its config declares (the weights file is bf16 either
+    way: every value is bf16-exact)."""
     if arch not in _FAMILIES:
         raise ValueError(f"unknown tiny model arch {arch!r}; choose one of {', '.join(ARCHES)}")
+    if dtype not in ("float32", "bfloat16"):
+        raise ValueError(f"tiny models declare float32 or bfloat16, not {dtype!r}")
     family = _FAMILIES[arch]
+    shape = shape or TinyShape()
+    shape.check()
     out = Path(model_dir)
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = _train_tokenizer(family)
-    config = _model_config(family, tokenizer)
+    config = _model_config(family, shape, tokenizer, dtype)
     eos_ids = [tokenizer.token_to_id(family.eos), tokenizer.token_to_id(family.extra_eos)]
     generation_config = {"bos_token_id": config["bos_token_id"], "eos_token_id": eos_ids}
     files = {
@@ -414,7 +459,7 @@ def make_tiny_model(model_dir: str | Path, arch: str, seed: int = 0) -> Path:
         (out / name).write_text(json.dumps(content, indent=2, sort_keys=True) + "\n", "utf-8")
     tokenizer.save(str(out / "tokenizer.json"))
     save_file(
-        _random_weights(config, family, seed),
+        _random_weights(config, seed),
         str(out / "model.safetensors"),
         metadata={"format": "pt"},
     )

@@ -39,6 +39,8 @@ class WorkerConfig:
     # On SIGTERM in-flight requests get this long to finish before they are aborted.
     shutdown_timeout_s: float = 30.0
     device: str | None = None
+    dtype: str = "auto"  # float32 | bfloat16 | float16 | auto (by checkpoint and device)
+    threads: int | None = None  # torch intra-op threads; None: every CPU the process may use
     runner: Runner = "model"
     sim_profile: str = "llama3-8b-h100"  # kvserve.core.cost_model profile for runner "sim"
     pd: PDConfig = field(default_factory=PDConfig)  # prefill and decode roles only

@@ -41,10 +41,12 @@ def serve(config: WorkerConfig) -> None:
     """Blocks until the worker is told to stop."""
     from kvserve.core.cost_model import profile
     from kvserve.engine.cost_model_runner import CostModelRunner
+    from kvserve.engine.device import use_threads
     from kvserve.engine.kv_tiers.connector import kv_tiers
     from kvserve.engine.llm_engine import LLMEngine  # torch: import only when serving
     from kvserve.worker.pd_api import pd_connectors
 
+    use_threads(config.threads)
     runner = None
     if config.runner == "sim":
         runner = CostModelRunner(config.model_dir, profile(config.sim_profile))
@@ -56,6 +58,7 @@ def serve(config: WorkerConfig) -> None:
         kv_cache_memory=config.kv_cache_memory,
         max_num_batched_tokens=config.max_num_batched_tokens,
         device=config.device,
+        dtype=config.dtype,
         model_name=config.model_name,
         runner=runner,
         connectors=[*connectors, *pd_connectors(config)],

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from kvserve.engine.attention import StepLayout, paged_attention
 from kvserve.engine.decode_rows import DecodeRows
 from kvserve.engine.kv_pool import KVPool
+from kvserve.engine.models.linear import Linear
 from kvserve.engine.models.rope import RotaryTable, apply_rotary
 from kvserve.engine.weights import CheckpointTensors
 from kvserve.model_folder.config import ModelConfig
@@ -29,30 +30,17 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return torch.rms_norm(x, x.shape[-1:], None, eps) * weight
 
 
-def residual_linear(
-    residual: torch.Tensor, x: torch.Tensor, weight_t: torch.Tensor, bias: torch.Tensor | None
-) -> torch.Tensor:
-    """``residual + x @ weight_t (+ bias)``; without a bias, one fused op."""
-    if bias is None:
-        return torch.addmm(residual, x, weight_t)
-    return residual + F.linear(x, weight_t.t(), bias)
-
-
 @dataclass(frozen=True, slots=True)
 class _Layer:
     input_norm: torch.Tensor
-    qkv_weight: torch.Tensor
-    qkv_bias: torch.Tensor | None
+    qkv: Linear
     # Qwen3's per-head q and k norms as one [heads + kv_heads, head_dim] weight, so both
     # are normalized in one op on the fused projection.
     qk_norm: torch.Tensor | None
-    o_weight_t: torch.Tensor  # transposed views: the residual adds fuse into addmm
-    o_bias: torch.Tensor | None
+    o: Linear  # its output is added to the residual stream (fused where possible)
     post_norm: torch.Tensor
-    gate_up_weight: torch.Tensor
-    gate_up_bias: torch.Tensor | None
-    down_weight_t: torch.Tensor
-    down_bias: torch.Tensor | None
+    gate_up: Linear
+    down: Linear  # added to the residual stream too
     window: int | None
 
 
@@ -66,32 +54,31 @@ def _load_layer(config: ModelConfig, tensors: CheckpointTensors, index: int) -> 
     def get(name: str, shape: tuple[int, ...]) -> torch.Tensor:
         return tensors.get(prefix + name, shape)
 
-    def fused(
-        names: dict[str, int], module: str, in_dim: int, with_bias: bool
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def fused(names: dict[str, int], module: str, in_dim: int, with_bias: bool) -> Linear:
         weight = torch.cat(
             [get(f"{module}.{n}.weight", (size, in_dim)) for n, size in names.items()]
         )
-        if not with_bias:
-            return weight, None
-        return weight, torch.cat([get(f"{module}.{n}.bias", (size,)) for n, size in names.items()])
+        bias = (
+            torch.cat([get(f"{module}.{n}.bias", (size,)) for n, size in names.items()])
+            if with_bias
+            else None
+        )
+        return Linear(weight, bias)
 
-    qkv_weight, qkv_bias = fused(proj_sizes, "self_attn", hidden, flags.qkv_bias)
-    gate_up_weight, gate_up_bias = fused(
-        {"gate_proj": inter, "up_proj": inter}, "mlp", hidden, config.mlp_bias
-    )
     return _Layer(
         input_norm=get("input_layernorm.weight", (hidden,)),
-        qkv_weight=qkv_weight,
-        qkv_bias=qkv_bias,
+        qkv=fused(proj_sizes, "self_attn", hidden, flags.qkv_bias),
         qk_norm=_stacked_qk_norm(config, get) if flags.qk_norm else None,
-        o_weight_t=get("self_attn.o_proj.weight", (hidden, q_size)).t(),
-        o_bias=get("self_attn.o_proj.bias", (hidden,)) if flags.o_bias else None,
+        o=Linear(
+            get("self_attn.o_proj.weight", (hidden, q_size)),
+            get("self_attn.o_proj.bias", (hidden,)) if flags.o_bias else None,
+        ),
         post_norm=get("post_attention_layernorm.weight", (hidden,)),
-        gate_up_weight=gate_up_weight,
-        gate_up_bias=gate_up_bias,
-        down_weight_t=get("mlp.down_proj.weight", (hidden, inter)).t(),
-        down_bias=get("mlp.down_proj.bias", (hidden,)) if config.mlp_bias else None,
+        gate_up=fused({"gate_proj": inter, "up_proj": inter}, "mlp", hidden, config.mlp_bias),
+        down=Linear(
+            get("mlp.down_proj.weight", (hidden, inter)),
+            get("mlp.down_proj.bias", (hidden,)) if config.mlp_bias else None,
+        ),
         window=config.sliding_windows[index],
     )
 
@@ -125,7 +112,9 @@ class LlamaFamilyModel:
         # Like transformers: a checkpoint that ships its own lm_head keeps it, whatever the
         # tie flag says; only an absent one is tied to the embeddings.
         tied = config.tie_word_embeddings and "lm_head.weight" not in tensors
-        self.lm_head = self.embed if tied else tensors.get("lm_head.weight", vocab_shape)
+        self.lm_head = Linear(
+            self.embed if tied else tensors.get("lm_head.weight", vocab_shape), None
+        )
         self.final_norm = tensors.get("model.norm.weight", (config.hidden_size,))
         self.layers = [_load_layer(config, tensors, i) for i in range(config.num_layers)]
         self.rotary = RotaryTable(
@@ -152,7 +141,7 @@ class LlamaFamilyModel:
         hidden = self.embed[token_ids]
         for index, layer in enumerate(self.layers):
             x = rms_norm(hidden, layer.input_norm, config.rms_norm_eps)
-            qkv = F.linear(x, layer.qkv_weight, layer.qkv_bias)
+            qkv = layer.qkv(x)
             qkv = qkv.view(num_tokens, heads + 2 * kv_heads, config.head_dim)
             qk = qkv[:, : heads + kv_heads]
             if layer.qk_norm is not None:
@@ -172,14 +161,12 @@ class LlamaFamilyModel:
                 scale=self._scale,
             )
             attended = attended.reshape(num_tokens, heads * config.head_dim)
-            hidden = residual_linear(hidden, attended, layer.o_weight_t, layer.o_bias)
+            hidden = layer.o.add_to(hidden, attended)
             x = rms_norm(hidden, layer.post_norm, config.rms_norm_eps)
-            gate, up = F.linear(x, layer.gate_up_weight, layer.gate_up_bias).chunk(2, dim=-1)
-            hidden = residual_linear(
-                hidden, F.silu(gate) * up, layer.down_weight_t, layer.down_bias
-            )
+            gate, up = layer.gate_up(x).chunk(2, dim=-1)
+            hidden = layer.down.add_to(hidden, F.silu(gate) * up)
         last = hidden if layout.last_token_index is None else hidden[layout.last_token_index]
         return rms_norm(last, self.final_norm, config.rms_norm_eps)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(hidden, self.lm_head).float()
+        return self.lm_head(hidden).float()

@@ -1,0 +1,80 @@
+"""The C++ paged-attention kernel (``csrc/paged_attention.cpp``), built on first use.
+
+It is compiled with the machine's compiler through torch's extension mechanism, for the
+machine's own CPU (``-march=native``), into a cache folder keyed by the source, the torch
+version and the CPU, so a process after the first loads it in well under a second and a
+folder copied to another CPU is never loaded there. Where no compiler is found the
+engine keeps its pure-torch attention (gather + SDPA), which also serves CUDA tensors:
+this kernel is CPU-only and is only chosen for CPU pools.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+_SOURCE = Path(__file__).parent / "csrc" / "paged_attention.cpp"
+# The compiler flags are part of the cache key (through the hash below).
+_CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp-simd"]
+# Set to 0 to force the pure-torch attention (e.g. to compare the two).
+ENV_SWITCH = "KVSERVE_PAGED_KERNEL"
+
+
+def _cpu_signature() -> str:
+    """What ``-march=native`` compiled for: the CPU model and its instruction-set flags."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return platform.processor() or platform.machine()
+    lines = [line for line in text.splitlines() if line.startswith(("model name", "flags"))]
+    return "\n".join(sorted(set(lines)))
+
+
+def build_directory() -> Path:
+    key = hashlib.sha256(
+        "\0".join(
+            [_SOURCE.read_text(), torch.__version__, " ".join(_CFLAGS), _cpu_signature()]
+        ).encode()
+    ).hexdigest()[:16]
+    root = os.environ.get("KVSERVE_KERNEL_CACHE") or Path.home() / ".cache" / "kvserve"
+    return Path(root) / f"paged_attention-{key}"
+
+
+@functools.cache
+def load() -> bool:
+    """Whether ``torch.ops.kvserve_kernels.paged_attention`` is available (built now if
+    needed). A failed build is logged once and the pure-torch path is used."""
+    if shutil.which(os.environ.get("CXX", "c++")) is None:
+        logger.info("no C++ compiler: paged attention uses the pure-torch path")
+        return False
+    from torch.utils import cpp_extension
+
+    directory = build_directory()
+    directory.mkdir(parents=True, exist_ok=True)
+    try:
+        cpp_extension.load(
+            name="kvserve_kernels",
+            sources=[str(_SOURCE)],
+            extra_cflags=_CFLAGS,
+            build_directory=str(directory),
+            is_python_module=False,
+        )
+    except (OSError, RuntimeError, ImportError) as err:
+        logger.warning("paged attention kernel did not build (%s); using pure torch", err)
+        return False
+    return True
+
+
+def usable(device: torch.device) -> bool:
+    """The kernel serves CPU pools only; CUDA keeps torch's attention. Read when a runner
+    is made, so tests and benchmarks can switch paths between runners."""
+    return device.type == "cpu" and os.environ.get(ENV_SWITCH, "1") != "0" and load()

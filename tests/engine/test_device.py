@@ -1,0 +1,52 @@
+"""Default dtype and thread choices."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from kvserve.engine.device import (
+    cpu_has_native_bf16,
+    parse_dtype,
+    pick_dtype,
+    use_threads,
+)
+from kvserve.engine.tiny_model import make_tiny_model
+from kvserve.model_folder.config import ModelConfig
+
+
+@pytest.mark.parametrize("declared", ["float32", "bfloat16"])
+def test_cpu_runs_bf16_checkpoints_in_bf16_only_with_native_bf16(tmp_path, declared):
+    config = ModelConfig.from_dir(make_tiny_model(tmp_path, "qwen2", dtype=declared))
+    cpu = torch.device("cpu")
+    native = declared == "bfloat16" and cpu_has_native_bf16()
+    assert pick_dtype(config, cpu, None) == (torch.bfloat16 if native else torch.float32)
+    assert pick_dtype(config, cpu, torch.float32) == torch.float32
+    assert pick_dtype(config, torch.device("cuda"), None) == getattr(torch, declared)
+
+
+def test_native_bf16_follows_the_cpu_flags():
+    with open("/proc/cpuinfo") as cpuinfo:
+        flags = next(line for line in cpuinfo if line.startswith("flags")).split()
+    assert cpu_has_native_bf16() == ("avx512_bf16" in flags or "amx_bf16" in flags)
+
+
+def test_parse_dtype():
+    assert parse_dtype("auto") is None and parse_dtype(None) is None
+    assert parse_dtype("bfloat16") == torch.bfloat16
+    assert parse_dtype(torch.float16) == torch.float16
+    with pytest.raises(ValueError, match="choose one of auto"):
+        parse_dtype("int8")
+
+
+def test_threads_default_to_every_cpu_the_process_may_use():
+    before = torch.get_num_threads()
+    try:
+        assert use_threads(None) == len(os.sched_getaffinity(0)) == torch.get_num_threads()
+        assert use_threads(1) == 1 == torch.get_num_threads()
+        with pytest.raises(ValueError):
+            use_threads(0)
+    finally:
+        torch.set_num_threads(before)

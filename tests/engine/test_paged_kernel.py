@@ -1,0 +1,76 @@
+"""The C++ paged-attention kernel against attention computed naively (float64, explicit
+softmax over each query's visible keys), on pools with shuffled block tables."""
+
+from __future__ import annotations
+
+import random
+import shutil
+
+import pytest
+import torch
+
+from kvserve.engine import paged_kernel
+
+
+def test_kernel_builds_where_a_compiler_exists():
+    if shutil.which("c++") is None:
+        pytest.skip("no C++ compiler: the engine uses its pure-torch attention")
+    assert paged_kernel.load()
+    assert paged_kernel.usable(torch.device("cpu"))
+    assert not paged_kernel.usable(torch.device("cuda"))
+
+
+def reference(q, pool, tables, sequences, window, scale):
+    """Per sequence and query: softmax over the keys at positions it may see."""
+    block_size, kv_heads = pool.shape[1], pool.shape[2] // 2
+    group = q.shape[1] // kv_heads
+    out = torch.zeros(q.shape, dtype=torch.float64)
+    for table, (start, num_new, first) in zip(tables.tolist(), sequences.tolist(), strict=True):
+        length = start + num_new
+        slots = [table[p // block_size] * block_size + p % block_size for p in range(length)]
+        kv = pool.flatten(0, 1)[slots].double()  # [length, 2 * kv_heads, head_dim]
+        for i in range(num_new):
+            position = start + i
+            low = max(0, position - window + 1) if window else 0
+            for head in range(q.shape[1]):
+                kv_head = head // group
+                keys, values = (
+                    kv[low : position + 1, kv_head],
+                    kv[low : position + 1, kv_heads + kv_head],
+                )
+                weights = torch.softmax(keys @ q[first + i, head].double() * scale, dim=0)
+                out[first + i, head] = weights @ values
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("window", [0, 7])
+@pytest.mark.parametrize(("heads", "kv_heads", "block_size"), [(8, 2, 4), (4, 4, 16), (6, 3, 32)])
+def test_kernel_matches_naive_attention(dtype, window, heads, kv_heads, block_size):
+    if not paged_kernel.load():
+        pytest.skip("no C++ compiler: the engine uses its pure-torch attention")
+    rng = random.Random(heads * block_size + window)
+    head_dim, num_blocks = 32, 64
+    pool = torch.randn(num_blocks, block_size, 2 * kv_heads, head_dim).to(dtype)
+    # (start_pos, num_new): decodes, a prompt from 0, chunks after cached tokens, and a
+    # chunk longer than the kernel's 16-query tile.
+    shapes = [(0, 1), (9, 1), (40, 1), (0, 13), (21, 5), (3, 37), (50, 2)]
+    blocks = rng.sample(range(num_blocks), num_blocks)
+    tables, rows, first = [], [], 0
+    width = max(-(-(s + n) // block_size) for s, n in shapes)
+    for start, num_new in shapes:
+        used = -(-(start + num_new) // block_size)
+        table = [blocks.pop() for _ in range(used)] + [0] * (width - used)
+        tables.append(table)
+        rows.append((start, num_new, first))
+        first += num_new
+    tables_t, sequences = torch.tensor(tables), torch.tensor(rows)
+    # Queries as a strided slice of a fused projection, as the model passes them.
+    qkv = torch.randn(first, heads + 2 * kv_heads, head_dim).to(dtype)
+    q, scale = qkv[:, :heads], head_dim**-0.5
+    ours = torch.ops.kvserve_kernels.paged_attention(q, pool, tables_t, sequences, window, scale)
+    assert ours.dtype == dtype and ours.shape == q.shape
+    expected = reference(q, pool, tables_t, sequences, window, scale)
+    # bf16: inputs and output are rounded to 8 bits of mantissa (relative step 2^-8).
+    tolerance = 1e-5 if dtype == torch.float32 else 1.6e-2
+    torch.testing.assert_close(ours.double(), expected, atol=tolerance, rtol=tolerance)
