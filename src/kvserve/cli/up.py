@@ -75,6 +75,9 @@ def register(app: typer.Typer) -> None:
         decode: Annotated[
             int, typer.Option(min=0, help="PD mode: decode workers (replace --workers).")
         ] = 0,
+        kv_transfer: Annotated[
+            str, typer.Option(help="PD mode: how KV blocks travel: tcp (built-in) | mooncake.")
+        ] = "tcp",
     ) -> None:
         """Start workers and a router on this machine; Ctrl-C stops everything."""
         from kvserve.router.local_fleet import LocalFleet, StartError, port_taken
@@ -97,6 +100,8 @@ def register(app: typer.Typer) -> None:
             raise typer.BadParameter(
                 "prefill workers need --decode workers", param_hint="--prefill"
             )
+        if kv_transfer not in ("tcp", "mooncake"):
+            raise typer.BadParameter("use tcp or mooncake", param_hint="--kv-transfer")
         fleet = LocalFleet(
             model_dir,
             workers=workers,
@@ -106,6 +111,7 @@ def register(app: typer.Typer) -> None:
             log_dir=log_dir,
             prefill=prefill,
             decode=decode,
+            kv_transfer=kv_transfer,
         )
         if decode:
             workers = prefill + decode

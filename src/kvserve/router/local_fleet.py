@@ -176,6 +176,7 @@ class LocalFleet:
         log_dir: Path,
         prefill: int = 0,
         decode: int = 0,
+        kv_transfer: str = "tcp",
     ) -> None:
         if prefill and not decode:
             raise ValueError("prefill workers need decode workers")
@@ -186,6 +187,7 @@ class LocalFleet:
         self._model_dir = model_dir
         self._workers = len(self._roles)
         self._policy = policy
+        self._kv_transfer = kv_transfer  # PD workers' --kv-transfer
         self._host = host
         self._port = port
         self.log_dir = log_dir
@@ -205,6 +207,8 @@ class LocalFleet:
                 port = free_port()
                 args = [*KVSERVE_COMMAND, "worker", "--model", str(self._model_dir)]
                 args += ["--host", "127.0.0.1", "--port", str(port), "--role", role]
+                if role != "mixed":
+                    args += ["--kv-transfer", self._kv_transfer]
                 workers.append(self._spawn(f"worker{index}", args, f"http://127.0.0.1:{port}", env))
             for worker in workers:
                 worker.wait_healthy(timeout_s)
