@@ -13,7 +13,8 @@ stored is success (another worker wrote the same block), anything else is a faul
 raised as :class:`StorageError` (counted by the caller, who recomputes). A dead master
 makes calls hang for seconds: :class:`BoundedCalls` cuts them at the configured timeout
 and keeps the tier off for a moment after a fault. The client is set up lazily on those
-calls, so a worker starts while the master is away and joins it when it comes back.
+calls (first when the tier opens), so a worker starts while the master is away and
+joins it when it comes back.
 """
 
 from __future__ import annotations
@@ -45,6 +46,9 @@ class MooncakeStorage(KVStorage):
         )
         self._setup_lock = threading.Lock()
         self._store: Any = None  # the MooncakeDistributedStore once set up
+        # Set up now, off the first request's path; a master away now is retried later.
+        with contextlib.suppress(StorageError):
+            self._calls.call("mooncake setup", self._client)
 
     def _client(self) -> Any:
         """The set-up client; the first call (or the first after a failed setup) makes it."""
