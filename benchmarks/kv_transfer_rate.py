@@ -5,12 +5,16 @@ worker sends the runs its steps complete) cross from one process to another thre
 side by side in one run:
 
 - **kvserve TCP**: the built-in transfer's path: ``pd_wire`` frames written with their
-  payload on an asyncio stream, read with ``read_frame`` and turned into owned blocks
-  (``kv_block_io.from_bytes``) on the receiving side, as ``TCPKVReceiver`` does;
+  payload on an asyncio stream, read with ``read_frame`` (stream buffer
+  ``READ_LIMIT_BYTES``) and turned into owned blocks (``kv_block_io.from_bytes``'s copy)
+  on the receiving side, as ``TCPKVReceiver`` does;
 - **Mooncake TCP**: the Mooncake Transfer Engine (P2P handshake, ``tcp`` protocol)
   writing each run into the receiver's registered buffer (``transfer_sync_write``), as
   ``MooncakeKVSender`` does, the receiver copying each run out as ``MooncakeKVReceiver``
   does; the runs' frames on the control connection are left out (a few bytes each);
+- **raw socket**: the same bytes through a blocking loopback socket, ``sendall`` on one
+  side and ``recv_into`` a preallocated tensor on the other: what any TCP path here can
+  reach at best (the kernel copies each byte in and out);
 - **memcpy**: one process copying the same runs between two tensors (the ceiling).
 
 Run: ``python benchmarks/kv_transfer_rate.py [--megabytes 256] [--run-megabytes 4]
@@ -22,6 +26,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import multiprocessing as mp
+import socket
 import statistics
 import time
 from multiprocessing.connection import Connection
@@ -30,6 +35,7 @@ from typing import Any
 import torch
 
 from kvserve.worker.pd_wire import frame_prefix, read_frame
+from kvserve.worker.tcp_kv_transfer import READ_LIMIT_BYTES
 
 MB = 1 << 20
 
@@ -63,7 +69,7 @@ def _tcp_receiver(pipe: Connection, count: int) -> None:
             writer.close()
             done.set()
 
-        server = await asyncio.start_server(handle, "127.0.0.1", 0)
+        server = await asyncio.start_server(handle, "127.0.0.1", 0, limit=READ_LIMIT_BYTES)
         pipe.send(server.sockets[0].getsockname()[1])
         await done.wait()
         server.close()
@@ -90,6 +96,34 @@ def tcp_rate(pipe: Connection, total: int, run: int) -> float:
 
     pipe.send(True)
     return total / asyncio.run(send(pipe.recv())) / 1e9
+
+
+# --- raw socket --------------------------------------------------------------------------
+
+
+def _socket_receiver(pipe: Connection, total: int) -> None:
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        pipe.send(server.getsockname()[1])
+        target = torch.zeros(total, dtype=torch.uint8)
+        view = memoryview(target.numpy())
+        while pipe.recv():
+            connection, _ = server.accept()
+            with connection:
+                received = 0
+                while received < total:
+                    received += connection.recv_into(view[received:])
+                connection.sendall(b"k")
+
+
+def socket_rate(pipe: Connection, port: int, total: int, run: int) -> float:
+    runs = _runs(total, run)
+    pipe.send(True)
+    with socket.create_connection(("127.0.0.1", port)) as connection:
+        started = time.perf_counter()
+        for chunk in runs:
+            connection.sendall(memoryview(chunk.numpy()))
+        connection.recv(1)
+        return total / (time.perf_counter() - started) / 1e9
 
 
 # --- Mooncake TCP ------------------------------------------------------------------------
@@ -140,24 +174,28 @@ def main() -> None:
     mc_pipe, mc_child = context.Pipe()
     tcp_peer = context.Process(target=_tcp_receiver, args=(tcp_child, total // run), daemon=True)
     mc_peer = context.Process(target=_mooncake_receiver, args=(mc_child, total, run), daemon=True)
-    tcp_peer.start()
-    mc_peer.start()
+    raw_pipe, raw_child = context.Pipe()
+    raw_peer = context.Process(target=_socket_receiver, args=(raw_child, total), daemon=True)
+    for peer in (tcp_peer, mc_peer, raw_peer):
+        peer.start()
+    raw_port = raw_pipe.recv()
     from mooncake.engine import TransferEngine
 
     engine = TransferEngine()
     assert engine.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == 0
     peer = mc_pipe.recv()
-    rates: dict[str, list[float]] = {"memcpy": [], "kvserve TCP": [], "Mooncake TCP": []}
+    names = ("memcpy", "raw socket", "kvserve TCP", "Mooncake TCP")
+    rates: dict[str, list[float]] = {name: [] for name in names}
     try:
         for _ in range(args.rounds):
             rates["memcpy"].append(memcpy_rate(total, run))
+            rates["raw socket"].append(socket_rate(raw_pipe, raw_port, total, run))
             rates["kvserve TCP"].append(tcp_rate(tcp_pipe, total, run))
             rates["Mooncake TCP"].append(mooncake_rate(mc_pipe, engine, peer, total, run))
     finally:
-        tcp_pipe.send(False)
-        mc_pipe.send(False)
-        tcp_peer.join(5)
-        mc_peer.join(5)
+        for pipe, peer in ((tcp_pipe, tcp_peer), (mc_pipe, mc_peer), (raw_pipe, raw_peer)):
+            pipe.send(False)
+            peer.join(5)
     memcpy = statistics.median(rates["memcpy"])
     print(f"{args.megabytes} MiB in runs of {args.run_megabytes} MiB, median of {args.rounds}")
     print(f"{'path':<14}{'GB/s':>8}{'x memcpy':>10}")

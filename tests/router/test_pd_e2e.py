@@ -194,7 +194,9 @@ def _long_prompt(tag: str) -> str:
 def _wait_for_prefill_running(fleet: Fleet) -> None:
     deadline = time.monotonic() + 20
     while load(fleet.prefill)["running"] == 0:
-        assert time.monotonic() < deadline, "the prefill worker never started the export"
+        assert time.monotonic() < deadline, "the prefill worker never started the export:\n" + (
+            "\n".join(w.log_tail() for w in [*fleet.workers, fleet.router] if w.alive())
+        )
         time.sleep(0.01)
 
 
