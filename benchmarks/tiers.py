@@ -7,8 +7,10 @@ computed is served by the tiny model (``make_tiny_model``, llama, context raised
 - **cold**: nothing cached, the whole prompt is computed;
 - **device**: the prefix is in the device pool (a plain prefix-cache hit);
 - **host**: the device pool was cleared, the prefix is in the host tier;
-- **file** / **redis**: a fresh engine sharing the storage tier of the engine that
-  served the first prompt loads the prefix from a directory / a local redis-server.
+- **file** / **redis** / **mooncake**: a fresh engine sharing the storage tier of the
+  engine that served the first prompt loads the prefix from a directory / a local
+  redis-server / a local Mooncake Store (``mooncake_master`` and one ``mooncake_client``
+  holding a 1 GiB segment, Mooncake's TCP transport).
 
 Each round measures every case once (alternating, so machine noise hits all alike);
 figures are medians, printed as ratios to cold. The tiny model computes fast, so these
@@ -16,7 +18,7 @@ ratios understate what loading saves on a real model, where a token's compute gr
 the model and its KV bytes grow far less.
 
 Run: ``python benchmarks/tiers.py [--rounds 5]`` (redis is skipped if redis-server is
-not installed).
+not installed, mooncake if the ``kvserve[mooncake]`` extra is not).
 """
 
 from __future__ import annotations
@@ -27,8 +29,10 @@ import random
 import shutil
 import statistics
 import subprocess
+import sys
 import tempfile
 import time
+import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 
@@ -120,6 +124,40 @@ class Bench:
         return took
 
 
+def start_mooncake(root: Path) -> tuple[str, list[subprocess.Popen[bytes]]]:
+    """A master and a segment holder on free ports; the storage URL and the processes."""
+    programs = Path(sys.executable).parent
+    port, metrics, holder, holder_http = (free_port() for _ in range(4))
+    log = (root / "mooncake.log").open("ab")
+    master = subprocess.Popen(
+        [str(programs / "mooncake_master"), "--rpc_address=127.0.0.1", f"--rpc_port={port}",
+         "--enable_http_metadata_server=false", f"--metrics_port={metrics}"],
+        stdout=log, stderr=subprocess.STDOUT,
+    )  # fmt: skip
+    wait_answering(f"http://127.0.0.1:{metrics}/metrics")
+    segment = subprocess.Popen(
+        [str(programs / "mooncake_client"), "--host=127.0.0.1", f"--port={holder}",
+         f"--global_segment_size={1 << 30}", f"--master_server_address=127.0.0.1:{port}",
+         "--metadata_server=P2PHANDSHAKE", "--enable_http_server=true",
+         f"--http_port={holder_http}"],
+        stdout=log, stderr=subprocess.STDOUT,
+    )  # fmt: skip
+    wait_answering(f"http://127.0.0.1:{holder_http}/health")
+    return f"mooncake://127.0.0.1:{port}", [segment, master]
+
+
+def wait_answering(url: str, timeout_s: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            with urllib.request.urlopen(url, timeout=0.5):
+                return
+        except OSError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=5)
@@ -128,7 +166,10 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as raw_root:
         root = Path(raw_root)
         storages = {"file": f"file:{root / 'kv'}"}
+        processes: list[subprocess.Popen[bytes]] = []
         redis_process = None
+        if (Path(sys.executable).parent / "mooncake_master").exists():
+            storages["mooncake"], processes = start_mooncake(root)
         redis_binary = shutil.which("redis-server")
         if redis_binary:
             port = free_port()
@@ -149,9 +190,9 @@ def main() -> None:
                 for name, case in cases.items():
                     times[name].append(case())
         finally:
-            if redis_process is not None:
-                redis_process.kill()
-                redis_process.wait()
+            for process in [*processes, *([redis_process] if redis_process else [])]:
+                process.kill()
+                process.wait()
     cold = statistics.median(times["cold"])
     print(f"TTFT, {PROMPT_TOKENS}-token prompt, {SHARED_TOKENS} shared; median of {args.rounds}")
     print(f"{'served from':<12}{'TTFT ms':>10}{'x cold':>9}")

@@ -17,9 +17,11 @@ from kvserve.engine.kv_tiers.connector import KVTiers, kv_tiers
 from kvserve.engine.llm_engine import LLMEngine
 from kvserve.engine.storage import KVStorage, register_backend
 from kvserve.engine.storage.base import is_storage_url, storage_usage
+from tests.support import mooncake_master as mooncake_support
 from tests.support import redis_server as redis_support
 
 redis_server = redis_support.redis_server
+mooncake_store = mooncake_support.mooncake_store
 
 PREFIX = [(7 * i) % 900 + 5 for i in range(192)]  # 12 full blocks of 16
 
@@ -91,11 +93,13 @@ def test_host_tier_bounded_by_memory(tiny_model_dir: Path, engines: list[LLMEngi
     assert tiers_of(engine).metrics()["host_blocks"] == 5
 
 
-@pytest.fixture(params=["file", "redis"])
+@pytest.fixture(params=["file", "redis", "mooncake"])
 def storage_spec(request: pytest.FixtureRequest, tmp_path: Path) -> str:
     if request.param == "file":
         return f"file:{tmp_path / 'kv'}"
-    return request.getfixturevalue("redis_server").url
+    if request.param == "mooncake":
+        return str(request.getfixturevalue("mooncake_store").url)
+    return str(request.getfixturevalue("redis_server").url)
 
 
 def test_a_second_engine_sharing_the_store_loads_the_prefix(

@@ -1,6 +1,7 @@
 """Prefill/decode disaggregation end to end: real workers (one prefill, two decode, one
 mixed for reference) behind a PD router; greedy output, cache hits on both sides, and
-every way a request can be cut short leaving every worker and the router at baseline."""
+every way a request can be cut short leaving every worker and the router at baseline.
+All of it twice: over the built-in TCP transfer and over the Mooncake Transfer Engine."""
 
 from __future__ import annotations
 
@@ -40,13 +41,14 @@ _ONE_THREAD = {"OMP_NUM_THREADS": "1"}
 
 
 class Fleet:
-    def __init__(self, model_dir: Path) -> None:
+    def __init__(self, model_dir: Path, kv_transfer: str) -> None:
         # A small step budget makes a long prompt's prefill last long enough to cut into.
         self.model_dir = model_dir
+        transfer = ("--kv-transfer", kv_transfer)
         self.prefill = start_worker(
-            model_dir, "--role", "prefill", "--max-num-batched-tokens", "32"
+            model_dir, "--role", "prefill", "--max-num-batched-tokens", "32", *transfer
         )
-        self.decodes = [start_worker(model_dir, "--role", "decode") for _ in range(2)]
+        self.decodes = [start_worker(model_dir, "--role", "decode", *transfer) for _ in range(2)]
         self.mixed = start_worker(model_dir)
         for worker in [*self.workers, self.mixed]:
             worker.wait_healthy(120)
@@ -65,11 +67,14 @@ class Fleet:
             process.stop()
 
 
-@pytest.fixture(scope="module")
-def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
+@pytest.fixture(scope="module", params=["tcp", "mooncake"])
+def fleet(
+    tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest
+) -> Iterator[Fleet]:
     from kvserve.engine.tiny_model import make_tiny_model
 
-    fleet = Fleet(make_tiny_model(tmp_path_factory.mktemp("pd-model"), "llama"))
+    model_dir = make_tiny_model(tmp_path_factory.mktemp("pd-model"), "llama")
+    fleet = Fleet(model_dir, request.param)
     try:
         yield fleet
     finally:
@@ -189,7 +194,9 @@ def _long_prompt(tag: str) -> str:
 def _wait_for_prefill_running(fleet: Fleet) -> None:
     deadline = time.monotonic() + 20
     while load(fleet.prefill)["running"] == 0:
-        assert time.monotonic() < deadline, "the prefill worker never started the export"
+        assert time.monotonic() < deadline, "the prefill worker never started the export:\n" + (
+            "\n".join(w.log_tail() for w in [*fleet.workers, fleet.router] if w.alive())
+        )
         time.sleep(0.01)
 
 

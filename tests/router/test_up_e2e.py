@@ -139,16 +139,20 @@ def greedy_completion(client: httpx.Client, prompt: str) -> httpx.Response:
     return response
 
 
+@pytest.mark.parametrize("kv_transfer", ["tcp", "mooncake"])
 def test_pd_mode_answers_as_mixed_names_both_workers_and_sigterm_stops_it(
-    fleet, cache_dir: Path
+    fleet, cache_dir: Path, kv_transfer: str
 ) -> None:
     _, mixed = fleet
-    pd = start_up(cache_dir, "--prefill", "1", "--decode", "1")
+    pd = start_up(cache_dir, "--prefill", "1", "--decode", "1", "--kv-transfer", kv_transfer)
     try:
         assert "making the tiny model" not in pd.log_tail()  # the cached model is reused
         listed = httpx.get(pd.url + "/workers", timeout=10).json()["workers"]
         pools = {worker["id"]: worker["pool"] for worker in listed}
         assert sorted(pools.values()) == ["decode", "prefill"]
+        prefill_url = next(w["url"] for w in listed if w["pool"] == "prefill")
+        info = httpx.get(prefill_url + "/pd/info", timeout=10).json()
+        assert info.get("transfer", "tcp") == kv_transfer
         prompt = " ".join(f"word{i}" for i in range(120))  # long enough to prefill remotely
         with httpx.Client(base_url=pd.url, timeout=60.0) as client:
             answer = greedy_completion(client, prompt)

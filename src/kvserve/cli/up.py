@@ -111,6 +111,9 @@ def register(app: typer.Typer) -> None:
         sim_profile: Annotated[
             str, _worker_option("Cost profile of --runner sim: llama3-8b-h100 | tiny.")
         ] = "llama3-8b-h100",
+        kv_transfer: Annotated[
+            str, typer.Option(help="PD mode: how KV blocks travel: tcp (built-in) | mooncake.")
+        ] = "tcp",
     ) -> None:
         """Start workers and a router on this machine; Ctrl-C stops everything."""
         from kvserve.router.local_fleet import LocalFleet, StartError, port_taken
@@ -133,6 +136,8 @@ def register(app: typer.Typer) -> None:
             raise typer.BadParameter(
                 "prefill workers need --decode workers", param_hint="--prefill"
             )
+        if kv_transfer not in ("tcp", "mooncake"):
+            raise typer.BadParameter("use tcp or mooncake", param_hint="--kv-transfer")
         fleet = LocalFleet(
             model_dir,
             workers=workers,
@@ -150,6 +155,7 @@ def register(app: typer.Typer) -> None:
                 runner=runner,
                 sim_profile=sim_profile,
             ),
+            kv_transfer=kv_transfer,
         )
         if decode:
             workers = prefill + decode

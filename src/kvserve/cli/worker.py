@@ -70,12 +70,19 @@ def register(app: typer.Typer) -> None:
         ] = 0,
         kv_storage: Annotated[
             str | None,
-            typer.Option(help="Shared KV storage tier: file:DIR | redis://host:port."),
+            typer.Option(
+                help="Shared KV storage tier: file:DIR | redis://host:port | "
+                "mooncake://MASTER_HOST:PORT[?options]."
+            ),
         ] = None,
         kv_storage_max_bytes: Annotated[
             int | None,
             typer.Option(help="Size bound of a file: storage directory (default: 8 GiB)."),
         ] = None,
+        kv_transfer: Annotated[
+            str,
+            typer.Option(help="PD roles: how KV blocks travel: tcp (built-in) | mooncake."),
+        ] = "tcp",
         storage_write_policy: Annotated[
             str, typer.Option(help="Blocks written to storage: write_through | hit_count:K.")
         ] = "write_through",
@@ -88,7 +95,7 @@ def register(app: typer.Typer) -> None:
             is_storage_url,
             storage_usage,
         )
-        from kvserve.worker.config import WorkerConfig, is_role, is_runner
+        from kvserve.worker.config import WorkerConfig, is_kv_transfer, is_role, is_runner
         from kvserve.worker.server import serve
 
         dtypes = ("auto", "float32", "bfloat16", "float16")  # engine.device's (no torch here)
@@ -96,6 +103,8 @@ def register(app: typer.Typer) -> None:
             raise typer.BadParameter(f"choose one of {', '.join(dtypes)}", param_hint="--dtype")
         if threads is not None and threads < 1:
             raise typer.BadParameter("must be at least 1", param_hint="--threads")
+        if not is_kv_transfer(kv_transfer):
+            raise typer.BadParameter("use tcp or mooncake", param_hint="--kv-transfer")
         if not is_role(role):
             raise typer.BadParameter("role must be mixed, prefill or decode", param_hint="--role")
         from kvserve.core.cost_model import profile
@@ -146,5 +155,6 @@ def register(app: typer.Typer) -> None:
                 sim_profile=sim_profile,
                 pd=PDConfig(pd_min_remote_tokens, pd_local_hit_fraction),
                 kv_tiers=kv_tiers,
+                kv_transfer=kv_transfer,
             )
         )

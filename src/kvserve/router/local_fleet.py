@@ -177,6 +177,7 @@ class LocalFleet:
         prefill: int = 0,
         decode: int = 0,
         worker_args: Sequence[str] = (),
+        kv_transfer: str = "tcp",
     ) -> None:
         if prefill and not decode:
             raise ValueError("prefill workers need decode workers")
@@ -188,6 +189,7 @@ class LocalFleet:
         self._worker_args = list(worker_args)  # ``kvserve worker`` flags every worker gets
         self._workers = len(self._roles)
         self._policy = policy
+        self._kv_transfer = kv_transfer  # PD workers' --kv-transfer
         self._host = host
         self._port = port
         self.log_dir = log_dir
@@ -208,6 +210,8 @@ class LocalFleet:
                 args = [*KVSERVE_COMMAND, "worker", "--model", str(self._model_dir)]
                 args += ["--host", "127.0.0.1", "--port", str(port), "--role", role]
                 args += self._worker_args
+                if role != "mixed":
+                    args += ["--kv-transfer", self._kv_transfer]
                 workers.append(self._spawn(f"worker{index}", args, f"http://127.0.0.1:{port}", env))
             for worker in workers:
                 worker.wait_healthy(timeout_s)

@@ -11,6 +11,7 @@ from kvserve.engine.kv_tier_config import KVTierConfig
 
 Role = Literal["mixed", "prefill", "decode"]
 Runner = Literal["model", "sim"]  # sim: the cost-model runner, no weights
+KVTransfer = Literal["tcp", "mooncake"]  # mooncake: the kvserve[mooncake] extra
 
 
 def is_role(value: str) -> TypeGuard[Role]:
@@ -19,6 +20,10 @@ def is_role(value: str) -> TypeGuard[Role]:
 
 def is_runner(value: str) -> TypeGuard[Runner]:
     return value in get_args(Runner)
+
+
+def is_kv_transfer(value: str) -> TypeGuard[KVTransfer]:
+    return value in get_args(KVTransfer)
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,6 +50,7 @@ class WorkerConfig:
     sim_profile: str = "llama3-8b-h100"  # kvserve.core.cost_model profile for runner "sim"
     pd: PDConfig = field(default_factory=PDConfig)  # prefill and decode roles only
     kv_tiers: KVTierConfig = field(default_factory=KVTierConfig)  # host and storage tiers
+    kv_transfer: KVTransfer = "tcp"  # how PD blocks travel: built-in TCP or Mooncake's engine
 
     @property
     def resolved_worker_id(self) -> str:

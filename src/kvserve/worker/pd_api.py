@@ -9,8 +9,9 @@
 While serving, a prefill worker's KV transfer sender accepts transfers; a decode worker
 sweeps lapsed leases every second, so blocks of a reservation nobody finishes come back
 even when the engine is idle. The engine was built with the role's PD connector
-(:func:`pd_connectors`); the transfer is the TCP one (:func:`transfer_sender`,
-:func:`transfer_receiver`: where another implementation plugs in).
+(:func:`pd_connectors`); the transfer is the built-in TCP one or, with
+``--kv-transfer mooncake``, the Mooncake Transfer Engine (:func:`transfer_sender`,
+:func:`transfer_receiver`: where an implementation plugs in).
 """
 
 from __future__ import annotations
@@ -59,13 +60,23 @@ def transfer_sender(
     config: WorkerConfig, bridge: EngineBridge, exporter: PDExporter
 ) -> KVTransferSender:
     """A prefill worker's side of the KV transfer."""
+    if config.kv_transfer == "mooncake":
+        from kvserve.worker.mooncake_kv_transfer import MooncakeEngine, MooncakeKVSender
+
+        engine = MooncakeEngine(config.host)
+        return MooncakeKVSender(bridge, exporter.layout, config.host, engine)
     return TCPKVSender(bridge, exporter.layout, config.host)
 
 
-def transfer_receiver(importer: PDImporter) -> KVTransferReceiver:
+def transfer_receiver(config: WorkerConfig, importer: PDImporter) -> KVTransferReceiver:
     """A decode worker's side of the KV transfer."""
     # A prefill worker silent for a lease's lifetime would lose the lease anyway.
-    return TCPKVReceiver(importer.layout, frame_timeout_s=importer.lease_ttl_s)
+    timeout_s = importer.lease_ttl_s
+    if config.kv_transfer == "mooncake":
+        from kvserve.worker.mooncake_kv_transfer import MooncakeEngine, MooncakeKVReceiver
+
+        return MooncakeKVReceiver(importer.layout, MooncakeEngine(config.host), timeout_s)
+    return TCPKVReceiver(importer.layout, frame_timeout_s=timeout_s)
 
 
 class PDService:
@@ -83,7 +94,7 @@ class PDService:
         else:
             self._importer = engine.connector(PDImporter)  # used on the engine thread only
             self._layout = self._importer.layout
-            self._receiver = transfer_receiver(self._importer)
+            self._receiver = transfer_receiver(config, self._importer)
         self.router = self._build_router()
 
     @contextlib.asynccontextmanager

@@ -13,8 +13,9 @@ connection end and stops waiting.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import aiohttp
 import torch
@@ -39,6 +40,12 @@ _TRANSFER_ERRORS = (
     aiohttp.ClientError,  # the prefill worker's /pd/info
     KeyError,  # a /pd/info without a transfer address
 )
+
+
+# The decode side's stream buffer. asyncio's default (64 KiB) pauses and resumes the
+# socket every 128 KiB of a multi-MiB run: twice the loop wake-ups, half the throughput
+# (benchmarks/kv_transfer_rate.py).
+READ_LIMIT_BYTES = 8 << 20
 
 
 class PrefillFailed(RuntimeError):
@@ -114,7 +121,7 @@ class TCPKVSender:
 
             await self._bridge.call(start)
             exporting = True
-            exporting = await self._relay(queue, reader, writer)
+            exporting = await self._relay(header, queue, reader, writer)
         except (InvalidParameterError, ProtocolError, ValueError, KeyError, TypeError) as exc:
             await _send_quietly(writer, frame_prefix({"type": "error", "message": str(exc)}))
         except (OSError, asyncio.IncompleteReadError):
@@ -126,7 +133,11 @@ class TCPKVSender:
             self._connections.discard(task)
 
     async def _relay(
-        self, queue: asyncio.Queue[Any], reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+        self,
+        request: dict[str, Any],
+        queue: asyncio.Queue[Any],
+        reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
     ) -> bool:
         """Write the export's items until it ends; True if it is still running (the decode
         side hung up first)."""
@@ -140,16 +151,7 @@ class TCPKVSender:
                     return True
                 kind, *rest = item.result()
                 if kind == "blocks":
-                    first_block, blocks = rest
-                    header = {
-                        "type": "blocks",
-                        "first_block": first_block,
-                        "num_blocks": len(blocks),
-                    }
-                    payload = payload_view(blocks)
-                    writer.write(frame_prefix(header, len(payload)))
-                    writer.write(payload)
-                    await writer.drain()
+                    await self._send_run(request, writer, *rest)
                     continue
                 if kind == "done":
                     writer.write(frame_prefix({"type": "done", "cached_tokens": rest[0]}))
@@ -159,6 +161,20 @@ class TCPKVSender:
                 return False
         finally:
             hangup.cancel()
+
+    async def _send_run(
+        self,
+        request: dict[str, Any],
+        writer: asyncio.StreamWriter,
+        first_block: int,
+        blocks: torch.Tensor,
+    ) -> None:
+        """One run of blocks to the decode side: here its bytes follow the frame."""
+        header = {"type": "blocks", "first_block": first_block, "num_blocks": len(blocks)}
+        payload = payload_view(blocks)
+        writer.write(frame_prefix(header, len(payload)))
+        writer.write(payload)
+        await writer.drain()
 
 
 async def _send_quietly(writer: asyncio.StreamWriter, data: bytes) -> None:
@@ -192,10 +208,10 @@ class TCPKVReceiver:
     ) -> int:
         try:
             address = await self._address(prefill_url)
-            return await _fetch_blocks(
-                address, self._layout, token_ids, first_block, num_blocks, install,
-                self._frame_timeout_s,
-            )  # fmt: skip
+            with self._landing(first_block, num_blocks) as landing:
+                return await self._fetch_blocks(
+                    address, token_ids, first_block, num_blocks, install, landing
+                )
         except _TRANSFER_ERRORS as exc:
             self._addresses.pop(prefill_url, None)  # it may have restarted on another port
             raise KVTransferError(f"KV transfer from {prefill_url} failed: {exc!r}") from exc
@@ -213,45 +229,79 @@ class TCPKVReceiver:
         address = self._addresses[url] = (str(info["transfer_host"]), int(info["transfer_port"]))
         return address
 
+    async def _fetch_blocks(
+        self,
+        address: tuple[str, int],
+        token_ids: list[int],
+        first_block: int,
+        num_blocks: int,
+        install: InstallRun,
+        landing: Landing,
+    ) -> int:
+        """Have the prefill worker at ``address`` compute blocks ``[0, num_blocks)`` of the
+        prompt and install ``[first_block, num_blocks)`` as they come; returns the prompt
+        tokens its cache served."""
+        timeout_s = self._frame_timeout_s
+        reader, writer = await asyncio.wait_for(
+            asyncio.open_connection(*address, limit=READ_LIMIT_BYTES), timeout_s
+        )
+        try:
+            request = {
+                "type": "prefill",
+                "token_ids": token_ids,
+                "first_block": first_block,
+                "num_blocks": num_blocks,
+                "layout": self._layout.to_json(),
+                **landing.request_fields(),
+            }
+            writer.write(frame_prefix(request))
+            await writer.drain()
+            expected = first_block
+            while True:
+                header, payload = await asyncio.wait_for(read_frame(reader), timeout_s)
+                kind = header["type"]
+                if kind == "blocks":
+                    blocks = landing.run_blocks(header, payload)
+                    if header.get("first_block") != expected or header.get("num_blocks") != len(
+                        blocks
+                    ):
+                        raise ProtocolError(f"unexpected run {header!r} after block {expected}")
+                    await install(expected, blocks)
+                    expected += len(blocks)
+                elif kind == "done" and expected == num_blocks:
+                    return int(header.get("cached_tokens", 0))
+                elif kind == "error":
+                    raise PrefillFailed(str(header.get("message")))
+                else:
+                    raise ProtocolError(f"unexpected frame {header!r} after block {expected}")
+        finally:
+            writer.close()
 
-async def _fetch_blocks(
-    address: tuple[str, int],
-    layout: KVBlockLayout,
-    token_ids: list[int],
-    first_block: int,
-    num_blocks: int,
-    install: InstallRun,
-    frame_timeout_s: float,
-) -> int:
-    """Have the prefill worker at ``address`` compute blocks ``[0, num_blocks)`` of the
-    prompt and install ``[first_block, num_blocks)`` as they come; returns the prompt
-    tokens its cache served."""
-    reader, writer = await asyncio.wait_for(asyncio.open_connection(*address), frame_timeout_s)
-    try:
-        request = {
-            "type": "prefill",
-            "token_ids": token_ids,
-            "first_block": first_block,
-            "num_blocks": num_blocks,
-            "layout": layout.to_json(),
-        }
-        writer.write(frame_prefix(request))
-        await writer.drain()
-        expected = first_block
-        while True:
-            header, payload = await asyncio.wait_for(read_frame(reader), frame_timeout_s)
-            kind = header["type"]
-            if kind == "blocks":
-                blocks = from_bytes(layout, payload)
-                if header.get("first_block") != expected or header.get("num_blocks") != len(blocks):
-                    raise ProtocolError(f"unexpected run {header!r} after block {expected}")
-                await install(expected, blocks)
-                expected += len(blocks)
-            elif kind == "done" and expected == num_blocks:
-                return int(header.get("cached_tokens", 0))
-            elif kind == "error":
-                raise PrefillFailed(str(header.get("message")))
-            else:
-                raise ProtocolError(f"unexpected frame {header!r} after block {expected}")
-    finally:
-        writer.close()
+    def _landing(
+        self, first_block: int, num_blocks: int
+    ) -> contextlib.AbstractContextManager[Landing]:
+        """Where one transfer's bytes arrive: here in the run frames' payloads."""
+        return contextlib.nullcontext(PayloadLanding(self._layout))
+
+
+class Landing(Protocol):
+    """Where a transfer's runs arrive on the decode side."""
+
+    def request_fields(self) -> dict[str, Any]:
+        """What the prefill request adds, telling the prefill side where to put runs."""
+
+    def run_blocks(self, header: dict[str, Any], payload: bytes) -> torch.Tensor:
+        """A run frame's blocks, owned by the caller."""
+
+
+class PayloadLanding:
+    """Runs arrive as the frames' payloads, on the control connection itself."""
+
+    def __init__(self, layout: KVBlockLayout) -> None:
+        self._layout = layout
+
+    def request_fields(self) -> dict[str, Any]:
+        return {}
+
+    def run_blocks(self, header: dict[str, Any], payload: bytes) -> torch.Tensor:
+        return from_bytes(self._layout, payload)

@@ -1,6 +1,7 @@
 """The shared storage tier of KV blocks: one small interface (:mod:`.base`), and the
-built-in backends registered here: a directory (``file:DIR``) and Redis
-(``redis://host:port[/db]``). Each is imported only when a worker opens it."""
+built-in backends registered here: a directory (``file:DIR``), Redis
+(``redis://host:port[/db]``) and a Mooncake Store (``mooncake://MASTER_HOST:PORT``, the
+``kvserve[mooncake]`` extra). Each is imported only when a worker opens it."""
 
 from pathlib import Path
 
@@ -30,5 +31,18 @@ def _open_redis(url: str, namespace: str, options: StorageOptions) -> KVStorage:
     return RedisStorage(url, namespace)
 
 
+def _open_mooncake(url: str, namespace: str, options: StorageOptions) -> KVStorage:
+    from kvserve.engine.storage.mooncake_url import parse_mooncake_url
+
+    config = parse_mooncake_url(url)
+    try:
+        from kvserve.engine.storage.mooncake_backend import MooncakeStorage
+    except ImportError as error:
+        raise ValueError(f"{url}: {error}; pip install 'kvserve[mooncake]'") from error
+
+    return MooncakeStorage(config, namespace)
+
+
 register_backend("file", "file:DIR", _open_file)
 register_backend("redis", "redis://host:port", _open_redis)
+register_backend("mooncake", "mooncake://MASTER_HOST:PORT[?options]", _open_mooncake)
