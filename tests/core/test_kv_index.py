@@ -99,12 +99,12 @@ def test_snapshot_replaces_a_workers_view() -> None:
 def test_speculative_insert_expires_unless_confirmed() -> None:
     index = KVBlockIndex()
     index.speculate("w0", [1, 2, 3], deadline=2.0)
-    assert index.match([1, 2, 3], ["w0"], now=1.0)["w0"].speculative == 3
+    assert index.match([1, 2, 3], ["w0"], now=1.0)["w0"].blocks_by_tier["device"] == 3
+    assert index.num_speculative("w0") == 3
     index.apply("w0", stored(1, [1]))  # the worker confirms the first block only
-    match = index.match([1, 2, 3], ["w0"], now=1.5)["w0"]
-    assert (match.blocks_by_tier["device"], match.speculative) == (1, 2)
-    match = index.match([1, 2, 3], ["w0"], now=2.0)["w0"]
-    assert (match.blocks_by_tier["device"], match.speculative) == (1, 0)
+    assert index.match([1, 2, 3], ["w0"], now=1.5)["w0"].blocks_by_tier["device"] == 3
+    assert index.num_speculative("w0") == 2
+    assert index.match([1, 2, 3], ["w0"], now=2.0)["w0"].blocks_by_tier["device"] == 1
     assert index.num_speculative("w0") == 0
 
 

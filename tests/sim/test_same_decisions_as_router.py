@@ -130,8 +130,8 @@ def replay_in_router(
     for url in router_config.worker_urls:
         registry.add(url).healthy = True
     clock = [0.0]
-    tracker = LoadTracker()
     policy = router_config.make_policy(0.0)
+    tracker = LoadTracker(on_change=policy.observe_load)  # as the router's app wires it
     proxy = Proxy(router_config, registry, tracker, policy, RouterMetrics(), None, lambda: clock[0])
     subscriber = KVEventSubscriber(policy, registry, None)
     for worker in registry.all():

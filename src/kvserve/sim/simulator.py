@@ -122,11 +122,20 @@ def route_query(spec: TraceRequest, request: Request, with_blocks: bool) -> Rout
 
 
 class _Loads:
-    """The router's own accounting, as its load guards keep it."""
+    """The router's own accounting, as its load guards keep it, told to the policy on
+    every change as the router's :class:`~kvserve.router.load_guard.LoadTracker` does."""
 
-    def __init__(self, worker_ids: Sequence[str]) -> None:
+    def __init__(self, worker_ids: Sequence[str], policy: Policy) -> None:
         self.requests = dict.fromkeys(worker_ids, 0)
         self.prefill_tokens = dict.fromkeys(worker_ids, 0)
+        self._policy = policy
+
+    def adjust(self, worker_id: str, requests: int, prefill_tokens: int) -> None:
+        self.requests[worker_id] += requests
+        self.prefill_tokens[worker_id] += prefill_tokens
+        self._policy.observe_load(
+            WorkerLoad(worker_id, self.requests[worker_id], self.prefill_tokens[worker_id])
+        )
 
     def snapshot(self) -> list[WorkerLoad]:
         return [WorkerLoad(w, n, self.prefill_tokens[w]) for w, n in self.requests.items()]
@@ -149,7 +158,7 @@ class Simulation:
             for w, cache in zip(ids, caches, strict=True)
         }
         self._shared_cache = policy_name == GLOBAL
-        self._loads = _Loads(ids)
+        self._loads = _Loads(ids, self.policy)
         self._steps: list[tuple[float, int, str]] = []  # (end time, order, worker)
         self._order = 0
         self._arrivals: dict[str, float] = {}
@@ -200,8 +209,7 @@ class Simulation:
         )
         query = route_query(spec, request, self.policy.reads_prompt_blocks)
         worker_id = self.policy.select(query, self._loads.snapshot(), now).worker_id
-        self._loads.requests[worker_id] += 1
-        self._loads.prefill_tokens[worker_id] += request.num_prompt_tokens
+        self._loads.adjust(worker_id, 1, request.num_prompt_tokens)
         self._arrivals[spec.request_id] = now
         self._served_by[spec.request_id] = worker_id
         worker = self.workers[worker_id]
@@ -221,7 +229,7 @@ class Simulation:
         result = worker.finish_step()
         for request in result.first_tokens:
             self._first_tokens[request.request_id] = now
-            self._loads.prefill_tokens[worker.worker_id] -= request.num_prompt_tokens
+            self._loads.adjust(worker.worker_id, 0, -request.num_prompt_tokens)
         for request in result.finished:
             self._record(request, now)
         if not self._shared_cache:
@@ -237,9 +245,9 @@ class Simulation:
         request_id = request.request_id
         worker_id = self._served_by.pop(request_id)
         first = self._first_tokens.pop(request_id, None)
-        self._loads.requests[worker_id] -= 1
-        if first is None:  # rejected before running: its prompt never became a first token
-            self._loads.prefill_tokens[worker_id] -= request.num_prompt_tokens
+        # rejected before running: its prompt never became a first token
+        unreleased = request.num_prompt_tokens if first is None else 0
+        self._loads.adjust(worker_id, -1, -unreleased)
         self.records.append(
             RequestRecord(
                 arrival_s=self._arrivals.pop(request_id),

@@ -27,6 +27,15 @@ same index and loads make the same choice.
 After a choice the request's blocks are inserted speculatively on the chosen worker
 (see :mod:`kvserve.core.routing.kv_index`), so the next request of a burst sharing a new
 prefix follows the first before any event confirms it.
+
+A decision predicts only a few workers, whatever the fleet's size: every worker that
+holds a prefix of the prompt (one walk of the index yields them all, with their depths)
+and the workers whose load term is the smallest (:mod:`kvserve.core.routing.load_order`,
+kept up to date by ``observe_load`` as guards change). Any other worker holds nothing
+of the prompt and has a larger load term, so it cannot predict a smaller TTFT: the
+smallest prediction is :func:`lowest_ttft`'s over the whole fleet. What differs is the
+choice among equal predictions (a tie of TTFT and load): it is made among the
+candidates, not the whole fleet.
 """
 
 from __future__ import annotations
@@ -38,6 +47,7 @@ import xxhash
 
 from kvserve.core.cost_model import CostModel
 from kvserve.core.routing.kv_index import KVBlockIndex, WorkerMatch
+from kvserve.core.routing.load_order import LoadOrder
 from kvserve.core.routing.types import WorkerLoad
 
 _NO_MATCH = WorkerMatch({})
@@ -115,17 +125,19 @@ class PrefillQueue:
     """When each worker will be done with the prefills this policy sent it (predicted).
 
     A routed request's uncached tokens queue behind the work already there; the queue
-    drains with time. One float per worker.
+    drains with time. One float per worker; ``loads`` learns each new end.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, loads: LoadOrder) -> None:
         self._done_at: dict[str, float] = {}
+        self._loads = loads
 
     def queued_s(self, worker_id: str, now: float) -> float:
         return max(0.0, self._done_at.get(worker_id, now) - now)
 
     def push(self, worker_id: str, seconds: float, now: float) -> None:
-        self._done_at[worker_id] = now + self.queued_s(worker_id, now) + seconds
+        done_at = self._done_at[worker_id] = now + self.queued_s(worker_id, now) + seconds
+        self._loads.set_done(worker_id, done_at)
 
     def forget(self, worker_id: str) -> None:
         self._done_at.pop(worker_id, None)
@@ -166,7 +178,8 @@ def lowest_ttft(
     tie_key: int,
     config: KvAwareConfig,
 ) -> KvAwareChoice:
-    """The worker (of a non-empty ``workers``) with the smallest predicted TTFT."""
+    """The worker (of a non-empty ``workers``) with the smallest predicted TTFT: every
+    worker predicted, the reference rule that :meth:`KvAwareRouting.best` follows."""
     predictions = tuple(
         predict(
             w,
@@ -178,6 +191,10 @@ def lowest_ttft(
         )
         for w in workers
     )
+    return _choose(predictions, tie_key)
+
+
+def _choose(predictions: Sequence[Prediction], tie_key: int) -> KvAwareChoice:
     best = min(
         predictions,
         key=lambda p: (
@@ -193,7 +210,7 @@ def lowest_ttft(
         reason = "cache_hit"
     else:
         reason = "load_spread"
-    return KvAwareChoice(best, reason, predictions)
+    return KvAwareChoice(best, reason, tuple(predictions))
 
 
 class KvAwareRouting:
@@ -202,7 +219,8 @@ class KvAwareRouting:
     def __init__(self, config: KvAwareConfig, index: KVBlockIndex | None = None) -> None:
         self.config = config
         self.index = index if index is not None else KVBlockIndex()
-        self.queue = PrefillQueue()
+        self.loads = LoadOrder(config.prefill_s, config.decode_request_s)
+        self.queue = PrefillQueue(self.loads)
 
     def select(
         self,
@@ -226,14 +244,33 @@ class KvAwareRouting:
         block_size: int,
         now: float,
     ) -> KvAwareChoice:
-        """The worker with the smallest predicted TTFT; nothing is recorded."""
-        worker_ids = [w.worker_id for w in workers]
-        matches = self.index.match(block_hashes, worker_ids, now)
-        queued = {w: self.queue.queued_s(w, now) for w in worker_ids}
+        """The worker with the smallest predicted TTFT; nothing is recorded.
+
+        Only the holders of a prefix and the lightest loads are predicted (see the
+        module docstring); a worker not seen before is learnt from ``workers``.
+        """
+        by_id = {w.worker_id: w for w in workers}
+        for worker_id in by_id.keys() - self.loads.known:
+            self.loads.update(by_id[worker_id])
+        matches = {
+            w: match
+            for w, match in self.index.match_holders(block_hashes, now).items()
+            if w in by_id
+        }
         tie_key = block_hashes[-1] if block_hashes else prompt_tokens
-        return lowest_ttft(
-            workers, matches, queued, prompt_tokens, block_size, tie_key, self.config
-        )
+        candidates = [*matches, *self.loads.lightest(by_id, matches, now, tie_key)]
+        predictions = [
+            predict(
+                by_id[w],
+                matches.get(w, _NO_MATCH),
+                prompt_tokens,
+                block_size,
+                self.queue.queued_s(w, now),
+                self.config,
+            )
+            for w in candidates
+        ]
+        return _choose(predictions, tie_key)
 
     def expect_prefill(
         self, choice: KvAwareChoice, block_hashes: Sequence[int], prompt_tokens: int, now: float
@@ -255,3 +292,4 @@ class KvAwareRouting:
     def forget_worker(self, worker_id: str) -> None:
         self.index.remove_worker(worker_id)
         self.queue.forget(worker_id)
+        self.loads.remove(worker_id)

@@ -28,16 +28,15 @@ SPECULATIVE_TIER = "device"  # where a routed request's blocks will be computed
 class WorkerMatch:
     """A worker's longest held prefix of a request's blocks, split by the tier it is in.
 
-    Each block counts in its fastest tier; ``speculative`` blocks are predicted from
-    recent routing (device tier once computed), not reported yet.
+    Each block counts in its fastest tier; a block predicted from recent routing, not
+    reported yet, counts in :data:`SPECULATIVE_TIER` (where it is being computed).
     """
 
     blocks_by_tier: dict[str, int]
-    speculative: int = 0
 
     @property
     def num_blocks(self) -> int:
-        return sum(self.blocks_by_tier.values()) + self.speculative
+        return sum(self.blocks_by_tier.values())
 
 
 class KVBlockIndex:
@@ -53,12 +52,15 @@ class KVBlockIndex:
 
     def __init__(self) -> None:
         self._slots: dict[str, int] = {}  # worker -> its bit group in the masks
+        self._slot_workers: list[str | None] = []  # slot -> worker (None: free)
         self._free_slots: list[int] = []  # of removed workers, all their bits cleared
+        self._first_bits = 0  # the lowest bit of every slot's group, for collapsing tiers
         self._holders: dict[int, int] = {}  # hash -> mask of (worker slot, tier) bits
         # (worker, tier) -> hashes, so that ``cleared`` and worker removal are O(held)
         self._held: dict[tuple[str, str], set[int]] = {}
         # worker -> hash -> deadline; the heap orders deadlines for cleanup
         self._speculative: dict[str, dict[int, float]] = {}
+        self._speculative_holders: dict[int, int] = {}  # hash -> first bits of its workers
         self._deadlines: list[tuple[float, str, int]] = []
 
     # ---------------------------------------------------------------- what workers report
@@ -81,9 +83,12 @@ class KVBlockIndex:
         """Forget a worker that left the fleet, speculation included."""
         for tier in [t for w, t in self._held if w == worker_id]:
             self._clear(worker_id, tier)
-        self._speculative.pop(worker_id, None)
         slot = self._slots.pop(worker_id, None)
+        pending = self._speculative.pop(worker_id, {})
         if slot is not None:
+            for block_hash in pending:
+                self._drop_speculative_bit(block_hash, _bit(slot, "device"))
+            self._slot_workers[slot] = None
             self._free_slots.append(slot)
 
     def num_blocks(self, worker_id: str, tier: str = "device") -> int:
@@ -98,7 +103,13 @@ class KVBlockIndex:
     def _slot(self, worker_id: str) -> int:
         slot = self._slots.get(worker_id)
         if slot is None:
-            slot = self._free_slots.pop() if self._free_slots else len(self._slots)
+            if self._free_slots:
+                slot = self._free_slots.pop()
+                self._slot_workers[slot] = worker_id
+            else:
+                slot = len(self._slot_workers)
+                self._slot_workers.append(worker_id)
+                self._first_bits |= _bit(slot, "device")
             self._slots[worker_id] = slot
         return slot
 
@@ -112,8 +123,9 @@ class KVBlockIndex:
         for block_hash in block_hashes:
             holders[block_hash] = holders.get(block_hash, 0) | bit
             held.add(block_hash)
-            if pending:
-                pending.pop(block_hash, None)  # confirmed: the event replaces the guess
+            if pending and pending.pop(block_hash, None) is not None:
+                # confirmed: the event replaces the guess
+                self._drop_speculative_bit(block_hash, _bit(self._slots[worker_id], "device"))
 
     def _remove(self, worker_id: str, tier: str, block_hashes: Iterable[int]) -> None:
         held = self._held.get((worker_id, tier))
@@ -132,6 +144,13 @@ class KVBlockIndex:
             for block_hash in held:
                 self._drop_bit(block_hash, bit)
 
+    def _drop_speculative_bit(self, block_hash: int, bit: int) -> None:
+        mask = self._speculative_holders[block_hash] & ~bit
+        if mask:
+            self._speculative_holders[block_hash] = mask
+        else:
+            del self._speculative_holders[block_hash]
+
     def _drop_bit(self, block_hash: int, bit: int) -> None:
         mask = self._holders[block_hash] & ~bit
         if mask:
@@ -145,9 +164,12 @@ class KVBlockIndex:
         """Predict that ``worker_id`` will hold these blocks; forgotten after ``deadline``
         unless a ``stored`` event confirms them first."""
         pending = self._speculative.setdefault(worker_id, {})
+        bit = _bit(self._slot(worker_id), "device")
+        speculative_holders = self._speculative_holders
         for block_hash in block_hashes:
             if not self.holds(worker_id, block_hash):
                 pending[block_hash] = deadline
+                speculative_holders[block_hash] = speculative_holders.get(block_hash, 0) | bit
                 heapq.heappush(self._deadlines, (deadline, worker_id, block_hash))
 
     def expire(self, now: float) -> int:
@@ -158,6 +180,7 @@ class KVBlockIndex:
             pending = self._speculative.get(worker_id)
             if pending is not None and pending.get(block_hash) == deadline:
                 del pending[block_hash]
+                self._drop_speculative_bit(block_hash, _bit(self._slots[worker_id], "device"))
                 dropped += 1
         return dropped
 
@@ -170,25 +193,74 @@ class KVBlockIndex:
         self, block_hashes: Sequence[int], worker_ids: Iterable[str], now: float
     ) -> dict[str, WorkerMatch]:
         """Each worker's longest prefix of ``block_hashes`` held in any tier (or predicted
-        by an unexpired speculative entry), as :class:`WorkerMatch`."""
+        by an unexpired speculative entry), as :class:`WorkerMatch`: one walk per worker,
+        the reference that :meth:`match_holders` must agree with."""
         self.expire(now)
+        return {w: self._walk(w, block_hashes, len(block_hashes)) for w in worker_ids}
+
+    def match_holders(self, block_hashes: Sequence[int], now: float) -> dict[str, WorkerMatch]:
+        """:meth:`match` for every worker whose match is not empty, in one walk of the
+        prompt whatever the fleet's size.
+
+        The walk carries the set of workers still matching as one int (a bit per worker);
+        a block narrows it with two mask operations, and the workers it drops have their
+        depth. A worker whose matched blocks are all on device (or speculative) is done
+        then; the few with a host or storage block in their prefix are walked once more
+        alone for the split by tier.
+        """
+        self.expire(now)
+        holders, speculative, first = self._holders, self._speculative_holders, self._first_bits
+        depths: dict[int, int] = {}  # slot -> matched blocks
+        alive = -1  # every slot, until the first block narrows it
+        off_device = 0  # slots with a block found in host or storage only
+        for depth, block_hash in enumerate(block_hashes):
+            mask = holders.get(block_hash, 0)
+            reported = (mask | mask >> 1 | mask >> 2) & first
+            here = reported | speculative.get(block_hash, 0)
+            dropped = alive & ~here if alive != -1 else 0
+            if dropped:
+                _record_depths(dropped, depth, depths)
+            alive &= here
+            if not alive:
+                break
+            if reported & ~mask:
+                off_device |= alive & reported & ~mask
+        else:
+            if alive not in (0, -1):
+                _record_depths(alive, len(block_hashes), depths)
         result: dict[str, WorkerMatch] = {}
-        for worker_id in worker_ids:
-            slot = self._slots.get(worker_id)
-            shift = 0 if slot is None else slot * len(TIERS)
-            pending = self._speculative.get(worker_id, {})
-            by_tier = dict.fromkeys(TIERS, 0)
-            speculative = 0
-            for block_hash in block_hashes:
-                tiers = 0 if slot is None else (self._holders.get(block_hash, 0) >> shift) & _TIERS
-                if tiers:
-                    by_tier[_FASTEST[tiers]] += 1
-                elif block_hash in pending:
-                    speculative += 1
-                else:
-                    break
-            result[worker_id] = WorkerMatch(by_tier, speculative)
+        for slot, depth in depths.items():
+            worker_id = self._slot_workers[slot]
+            assert worker_id is not None, "a free slot holds no bits"
+            if off_device >> (slot * len(TIERS)) & 1:
+                result[worker_id] = self._walk(worker_id, block_hashes, depth)
+            else:
+                result[worker_id] = WorkerMatch({"device": depth, "host": 0, "storage": 0})
         return result
+
+    def _walk(self, worker_id: str, block_hashes: Sequence[int], limit: int) -> WorkerMatch:
+        """``worker_id``'s match, block by block, among the first ``limit`` blocks."""
+        slot = self._slots.get(worker_id)
+        shift = 0 if slot is None else slot * len(TIERS)
+        pending = self._speculative.get(worker_id, {})
+        by_tier = dict.fromkeys(TIERS, 0)
+        for block_hash in block_hashes[:limit]:
+            tiers = 0 if slot is None else (self._holders.get(block_hash, 0) >> shift) & _TIERS
+            if tiers:
+                by_tier[_FASTEST[tiers]] += 1
+            elif block_hash in pending:
+                by_tier[SPECULATIVE_TIER] += 1
+            else:
+                break
+        return WorkerMatch(by_tier)
+
+
+def _record_depths(slots_bits: int, depth: int, depths: dict[int, int]) -> None:
+    """Note ``depth`` for every slot whose first bit is set in ``slots_bits``."""
+    while slots_bits:
+        low = slots_bits & -slots_bits
+        depths[(low.bit_length() - 1) // len(TIERS)] = depth
+        slots_bits ^= low
 
 
 _TIERS = (1 << len(TIERS)) - 1  # one worker's bits
