@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvserve.core.kv_events import KVEvent
-from kvserve.core.routing.kv_aware import KvAwareConfig, KvAwareRouting, lowest_ttft
+from kvserve.core.routing.kv_aware import KvAwareConfig, KvAwareRouting, lowest_ttft, predict
 from kvserve.core.routing.kv_index import TIERS
 from kvserve.core.routing.types import WorkerLoad
 
@@ -92,7 +92,19 @@ def test_fast_rule_equals_the_exhaustive_one(
     expected = rank(reference.prediction.ttft_s, reference.prediction.worker)
     assert rank(fast.prediction.ttft_s, fast.prediction.worker) == expected
     assert fast.reason == reference.reason
-    tied = [p for p in reference.predictions if rank(p.ttft_s, p.worker) == expected]
+    everyone = routing.index.match(hashes, ids, now)
+    predictions = [
+        predict(
+            w,
+            everyone[w.worker_id],
+            tokens,
+            BLOCK,
+            routing.queue.queued_s(w.worker_id, now),
+            CONFIG,
+        )
+        for w in workers
+    ]
+    tied = [p for p in predictions if rank(p.ttft_s, p.worker) == expected]
     if len(tied) == 1:
         assert fast.worker_id == reference.worker_id
         assert fast.prediction == reference.prediction

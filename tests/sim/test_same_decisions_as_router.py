@@ -71,6 +71,9 @@ class Recording(Policy):
         self._events[worker_id].extend(events)
         self.inner.observe_events(worker_id, events)
 
+    def observe_load(self, load: WorkerLoad) -> None:
+        self.inner.observe_load(load)
+
 
 def trace() -> list[TraceRequest]:
     """Conversations (a session each) that share a system prompt, overlapping in time so
@@ -98,8 +101,9 @@ def trace() -> list[TraceRequest]:
 
 def simulate_and_record(name: str, config: SimConfig, requests: list[TraceRequest]) -> list[Step]:
     simulation = Simulation(name, config)
-    recording = Recording(simulation.policy)
-    simulation.policy = recording
+    (replica,) = simulation.replicas
+    recording = Recording(replica.policy)
+    replica.policy = recording
     simulation.run(requests)
     return recording.steps
 

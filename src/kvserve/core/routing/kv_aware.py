@@ -41,7 +41,7 @@ candidates, not the whole fleet.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import xxhash
 
@@ -99,9 +99,6 @@ class KvAwareConfig:
         pairs = num_tokens * (cached_tokens + (num_tokens + 1) / 2)
         return num_tokens * self.prefill_token_s + pairs * self.attention_pair_s
 
-    def load_token_s(self, tier: str) -> float:
-        return {"host": self.host_load_token_s, "storage": self.storage_load_token_s}.get(tier, 0.0)
-
 
 @dataclass(frozen=True, slots=True)
 class Prediction:
@@ -114,7 +111,6 @@ class Prediction:
 class KvAwareChoice:
     prediction: Prediction
     reason: str  # "cache_hit" | "load_spread" | "cache_miss"
-    predictions: tuple[Prediction, ...] = field(repr=False)
 
     @property
     def worker_id(self) -> str:
@@ -153,16 +149,31 @@ def predict(
 ) -> Prediction:
     """The predicted time to first token of a ``prompt_tokens`` request on ``worker``,
     given this policy's own prediction ``queued_s`` of the prefill queued there."""
-    tier_tokens = {tier: blocks * block_size for tier, blocks in match.blocks_by_tier.items()}
+    ttft, cached = _ttft(worker, match, prompt_tokens, block_size, queued_s, config)
+    return Prediction(worker, cached, ttft)
+
+
+def _ttft(
+    worker: WorkerLoad,
+    match: WorkerMatch,
+    prompt_tokens: int,
+    block_size: int,
+    queued_s: float,
+    config: KvAwareConfig,
+) -> tuple[float, int]:
+    """:func:`predict`'s TTFT and cached tokens, without building a Prediction."""
+    by_tier = match.blocks_by_tier
+    host_tokens = by_tier.get("host", 0) * block_size
+    storage_tokens = by_tier.get("storage", 0) * block_size
     cached = min(match.num_blocks * block_size, prompt_tokens)
     guarded_s = config.prefill_s(worker.in_flight_prefill_tokens)
     ttft = (
         min(queued_s, guarded_s)
         + config.prefill_s(prompt_tokens - cached, cached)
-        + sum(tokens * config.load_token_s(tier) for tier, tokens in tier_tokens.items())
+        + (host_tokens * config.host_load_token_s + storage_tokens * config.storage_load_token_s)
         + worker.in_flight_requests * config.decode_request_s
     )
-    return Prediction(worker, cached, ttft)
+    return ttft, cached
 
 
 def _rendezvous(tie_key: int, worker_id: str) -> int:
@@ -180,37 +191,41 @@ def lowest_ttft(
 ) -> KvAwareChoice:
     """The worker (of a non-empty ``workers``) with the smallest predicted TTFT: every
     worker predicted, the reference rule that :meth:`KvAwareRouting.best` follows."""
-    predictions = tuple(
-        predict(
+    scored = [
+        (
             w,
-            matches.get(w.worker_id, _NO_MATCH),
-            prompt_tokens,
-            block_size,
-            queued_s.get(w.worker_id, 0.0),
-            config,
+            *_ttft(
+                w,
+                matches.get(w.worker_id, _NO_MATCH),
+                prompt_tokens,
+                block_size,
+                queued_s.get(w.worker_id, 0.0),
+                config,
+            ),
         )
         for w in workers
-    )
-    return _choose(predictions, tie_key)
+    ]
+    return _choose(scored, tie_key)
 
 
-def _choose(predictions: Sequence[Prediction], tie_key: int) -> KvAwareChoice:
-    best = min(
-        predictions,
-        key=lambda p: (
-            round(p.ttft_s, 9),  # equal up to a nanosecond is a tie
-            p.worker.sort_key,
-            -_rendezvous(tie_key, p.worker.worker_id),
-        ),
-    )
-    deepest = max(p.cached_tokens for p in predictions)
+def _choose(scored: Sequence[tuple[WorkerLoad, float, int]], tie_key: int) -> KvAwareChoice:
+    """Of (worker, TTFT, cached tokens): the smallest TTFT (equal up to a nanosecond is a
+    tie), then the lighter guards, then rendezvous hashing (computed for the tied only)."""
+    ranked = [((round(ttft, 9), w.sort_key), w, ttft, cached) for w, ttft, cached in scored]
+    lowest = min(r[0] for r in ranked)
+    tied = [r[1:] for r in ranked if r[0] == lowest]
+    chosen = tied[0]
+    if len(tied) > 1:
+        chosen = max(tied, key=lambda t: _rendezvous(tie_key, t[0].worker_id))
+    worker, ttft, cached = chosen
+    deepest = max(c for _, _, c in scored)
     if deepest == 0:
         reason = "cache_miss"
-    elif best.cached_tokens == deepest:
+    elif cached == deepest:
         reason = "cache_hit"
     else:
         reason = "load_spread"
-    return KvAwareChoice(best, reason, tuple(predictions))
+    return KvAwareChoice(Prediction(worker, cached, ttft), reason)
 
 
 class KvAwareRouting:
@@ -259,18 +274,21 @@ class KvAwareRouting:
         }
         tie_key = block_hashes[-1] if block_hashes else prompt_tokens
         candidates = [*matches, *self.loads.lightest(by_id, matches, now, tie_key)]
-        predictions = [
-            predict(
+        scored = [
+            (
                 by_id[w],
-                matches.get(w, _NO_MATCH),
-                prompt_tokens,
-                block_size,
-                self.queue.queued_s(w, now),
-                self.config,
+                *_ttft(
+                    by_id[w],
+                    matches.get(w, _NO_MATCH),
+                    prompt_tokens,
+                    block_size,
+                    self.queue.queued_s(w, now),
+                    self.config,
+                ),
             )
             for w in candidates
         ]
-        return _choose(predictions, tie_key)
+        return _choose(scored, tie_key)
 
     def expect_prefill(
         self, choice: KvAwareChoice, block_hashes: Sequence[int], prompt_tokens: int, now: float
