@@ -42,6 +42,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import xxhash
 
@@ -71,6 +72,8 @@ class KvAwareConfig:
     storage_load_token_s: float = 10e-6
     decode_request_s: float = 2e-3
     speculative_ttl_s: float = 2.0
+    # (block, holder) entries the index keeps; None: unbounded (see KVBlockIndex)
+    index_max_entries: int | None = None
 
     def __post_init__(self) -> None:
         values = (
@@ -86,7 +89,7 @@ class KvAwareConfig:
             raise ValueError("speculative_ttl_s must be >= 0")
 
     @classmethod
-    def from_cost_model(cls, cost: CostModel, **overrides: float) -> KvAwareConfig:
+    def from_cost_model(cls, cost: CostModel, **overrides: Any) -> KvAwareConfig:
         """The prefill terms of a GPU cost profile (the simulator's, or a measured one)."""
         fields = {
             "prefill_token_s": cost.new_token_s + cost.context_token_s,
@@ -233,7 +236,7 @@ class KvAwareRouting:
 
     def __init__(self, config: KvAwareConfig, index: KVBlockIndex | None = None) -> None:
         self.config = config
-        self.index = index if index is not None else KVBlockIndex()
+        self.index = index if index is not None else KVBlockIndex(config.index_max_entries)
         self.loads = LoadOrder(config.prefill_s, config.decode_request_s)
         self.queue = PrefillQueue(self.loads)
 
