@@ -12,9 +12,13 @@ term is the smaller of ``guarded_s + r`` and ``queued_s + r`` (``r`` the request
 so its minimum is the smaller of the two minima:
 
 - ``guarded_s + r`` changes only when the router's guards do: one sorted order.
-- ``queued_s + r = max(r, done_at + r - now)`` moves with the clock; its minimum comes
-  from two time-free orders, by ``r`` and by ``done_at + r``, walked together until no
-  worker not yet seen can beat the best one seen (Fagin's threshold algorithm).
+- ``queued_s + r`` moves with the clock, but not its order within two classes: a worker
+  whose queue has drained (``done_at <= now``) has the term ``r``; one whose queue has
+  not, ``done_at + r - now``. One order per class, by ``r`` and by ``done_at + r``; a
+  heap of queue ends moves a worker from the second to the first when its end passes.
+
+The smallest term is then the first eligible worker in one of the three orders: a
+search walks each from the lightest until one is eligible (of the pool, not a holder).
 
 Entries equal in key are visited from an offset chosen by the request's tie key, so
 that the misses of an idle fleet spread over all of it instead of the first workers by
@@ -24,6 +28,7 @@ name, and every replica holding the same loads picks the same.
 from __future__ import annotations
 
 import bisect
+import heapq
 from collections.abc import Callable, Container, Iterator, KeysView
 from dataclasses import dataclass
 
@@ -84,8 +89,10 @@ class LoadOrder:
         self._decode_request_s = decode_request_s
         self._loads: dict[str, _Load] = {}
         self._by_guarded = _Order()
-        self._by_requests = _Order()
-        self._by_done = _Order()
+        self._drained = _Order()  # by requests term
+        self._queued = _Order()  # by queue end + requests term
+        self._ends: list[tuple[float, str]] = []  # queue ends, soonest first
+        self._now = float("-inf")  # the time the two classes are drawn at
 
     @property
     def known(self) -> KeysView[str]:
@@ -108,53 +115,51 @@ class LoadOrder:
         entry = self._loads.get(worker_id)
         if entry is not None:
             entry.done_at = done_at
-            self._by_done.set(worker_id, (done_at + entry.requests_s, *entry.sort_key))
+            heapq.heappush(self._ends, (done_at, worker_id))
+            self._classify(worker_id, entry)
 
     def remove(self, worker_id: str) -> None:
         self._loads.pop(worker_id, None)
-        for order in (self._by_guarded, self._by_requests, self._by_done):
+        for order in (self._by_guarded, self._drained, self._queued):
             order.remove(worker_id)
 
     def lightest(
         self, eligible: Container[str], excluded: Container[str], now: float, tie_key: int
     ) -> set[str]:
         """Workers of ``eligible`` but not ``excluded`` among which is one whose load term
-        is the smallest of all such known workers (two or three of them, usually)."""
+        is the smallest of all such known workers (the first taken in each order)."""
+        self._advance(now)
         found: set[str] = set()
-        first = _next_eligible(self._by_guarded.ascending(tie_key), eligible, excluded)
-        if first is not None:
-            found.add(first[1])
-        best = float("inf")
-        by_requests = self._by_requests.ascending(tie_key)
-        by_done = self._by_done.ascending(tie_key)
-        while True:
-            step_requests = _next_eligible(by_requests, eligible, excluded)
-            step_done = _next_eligible(by_done, eligible, excluded)
-            if step_requests is None or step_done is None:
-                return found  # both orders hold the same workers: all were seen
-            for step in (step_requests, step_done):
-                found.add(step[1])
-                best = min(best, self._queued_term(step[1], now))
-            floor_requests, floor_done = step_requests[0][0], step_done[0][0] - now
-            # no unseen worker has a smaller requests term or an earlier end than the last
-            # seen in each order, so none has a term below this floor
-            if best <= max(floor_requests, floor_done):
-                return found
+        for order in (self._by_guarded, self._drained, self._queued):
+            for _, worker_id in order.ascending(tie_key):
+                if worker_id in eligible and worker_id not in excluded:
+                    found.add(worker_id)
+                    break
+        return found
 
-    def _queued_term(self, worker_id: str, now: float) -> float:
-        entry = self._loads[worker_id]
-        return max(0.0, entry.done_at - now) + entry.requests_s
+    def _advance(self, now: float) -> None:
+        """Move the workers whose queue ended by ``now`` to the drained class."""
+        if now < self._now:  # the clock went back (a caller's own clock): redraw all
+            self._now = now
+            for worker_id, entry in self._loads.items():
+                self._classify(worker_id, entry)
+            return
+        self._now = now
+        ends = self._ends
+        while ends and ends[0][0] <= now:
+            done_at, worker_id = heapq.heappop(ends)
+            current = self._loads.get(worker_id)
+            if current is not None and current.done_at == done_at:
+                self._classify(worker_id, current)
+
+    def _classify(self, worker_id: str, entry: _Load) -> None:
+        if entry.done_at > self._now:
+            self._drained.remove(worker_id)
+            self._queued.set(worker_id, (entry.done_at + entry.requests_s, *entry.sort_key))
+        else:
+            self._queued.remove(worker_id)
+            self._drained.set(worker_id, (entry.requests_s, *entry.sort_key))
 
     def _reorder(self, worker_id: str, entry: _Load) -> None:
         self._by_guarded.set(worker_id, (entry.guarded_s + entry.requests_s, *entry.sort_key))
-        self._by_requests.set(worker_id, (entry.requests_s, *entry.sort_key))
-        self._by_done.set(worker_id, (entry.done_at + entry.requests_s, *entry.sort_key))
-
-
-def _next_eligible(
-    entries: Iterator[tuple[Key, str]], eligible: Container[str], excluded: Container[str]
-) -> tuple[Key, str] | None:
-    for entry in entries:
-        if entry[1] in eligible and entry[1] not in excluded:
-            return entry
-    return None
+        self._classify(worker_id, entry)
