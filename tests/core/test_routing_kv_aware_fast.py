@@ -35,17 +35,18 @@ worker = st.tuples(
     st.lists(held, max_size=2),
     st.one_of(st.none(), st.floats(0.0, 0.5)),  # a queued prefill pushed at time 0
     st.integers(0, 12),  # speculative blocks of the prompt
+    st.sampled_from([0, 0, 800]),  # prefill tokens other router replicas reported
 )
 
 
 def build(
-    fleet: list[tuple[int, int, list[tuple[int, str, bool]], float | None, int]],
+    fleet: list[tuple[int, int, list[tuple[int, str, bool]], float | None, int, int]],
 ) -> tuple[KvAwareRouting, list[WorkerLoad]]:
     routing = KvAwareRouting(CONFIG)
     loads = []
-    for i, (requests, tokens, holdings, queued, speculative) in enumerate(fleet):
+    for i, (requests, tokens, holdings, queued, speculative, others) in enumerate(fleet):
         worker_id = f"w{i}"
-        load = WorkerLoad(worker_id, requests, tokens if requests else 0)
+        load = WorkerLoad(worker_id, requests, tokens if requests else 0, 1.0, others)
         loads.append(load)
         routing.loads.update(load)
         for seq, (count, tier, diverges) in enumerate(holdings, start=1):
@@ -65,7 +66,7 @@ def build(
     eligible_mask=st.integers(1, 2**12 - 1),
 )
 def test_fast_rule_equals_the_exhaustive_one(
-    fleet: list[tuple[int, int, list[tuple[int, str, bool]], float | None, int]],
+    fleet: list[tuple[int, int, list[tuple[int, str, bool]], float | None, int, int]],
     prompt_blocks: int,
     now: float,
     eligible_mask: int,
@@ -113,11 +114,11 @@ def test_fast_rule_equals_the_exhaustive_one(
 def test_holders_found_in_one_walk_equal_each_workers_walk() -> None:
     routing, _ = build(
         [
-            (0, 0, [(12, "device", False)], None, 0),
-            (0, 0, [(5, "host", False), (3, "device", False)], None, 9),
-            (0, 0, [(2, "storage", True)], None, 0),
-            (0, 0, [], None, 4),
-            (0, 0, [], None, 0),
+            (0, 0, [(12, "device", False)], None, 0, 0),
+            (0, 0, [(5, "host", False), (3, "device", False)], None, 9, 0),
+            (0, 0, [(2, "storage", True)], None, 0, 0),
+            (0, 0, [], None, 4, 0),
+            (0, 0, [], None, 0, 0),
         ]
     )
     everyone = routing.index.match(PROMPT, [f"w{i}" for i in range(5)], now=0.0)

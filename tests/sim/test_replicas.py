@@ -19,7 +19,10 @@ def test_a_replica_sees_its_own_guards_now_and_the_others_as_last_reported() -> 
     replica.learn_report("w0", 3, 700)  # all replicas: 2 requests and 600 tokens are others'
     replica.adjust("w0", 1, 50)
     replica.adjust("w0", 0, -100)
-    assert replica.snapshot() == [WorkerLoad("w0", 4, 650), WorkerLoad("w1", 0, 0)]
+    assert replica.snapshot() == [
+        WorkerLoad("w0", 4, 50, others_prefill_tokens=600),
+        WorkerLoad("w1"),
+    ]
 
 
 def test_replicas_share_the_fleet_and_release_every_guard() -> None:

@@ -7,8 +7,11 @@ worker is idle while together they queue R requests on it. What a replica can le
 the others' load is what workers report. The model: every ``load_report_interval_s``
 each worker reports what is in flight on it (all replicas' guards, exactly as they
 stand), and a replica's view of a worker is its own guards now plus the others' part of
-the last report (the report less what the replica itself held then). Without reports
-(``None``) a replica sees its own guards only, the fragmentation to measure.
+the last report (the report less what the replica itself held then): their requests
+added to its own, their prefill tokens apart (``WorkerLoad.others_prefill_tokens``),
+since kv_aware weighs its own prefill queue against its own guards and must add the
+others' queue, not hide it behind a minimum. Without reports (``None``) a replica sees
+its own guards only, the fragmentation to measure.
 """
 
 from __future__ import annotations
@@ -53,5 +56,6 @@ class RouterReplica:
         return WorkerLoad(
             worker_id,
             self.requests[worker_id] + other_requests,
-            self.prefill_tokens[worker_id] + other_tokens,
+            self.prefill_tokens[worker_id],
+            others_prefill_tokens=other_tokens,
         )

@@ -7,6 +7,7 @@ One cost in seconds instead of a hard cache/load switch. For each candidate work
                    + tokens found in host memory × host_load_token_s
                    + tokens found in storage × storage_load_token_s
                    + in-flight requests × decode_request_s
+                   + prefill other router replicas queued there (as the worker reported)
 
 The queued prefill time is the smaller of two views of the same work: the router's load
 guards (prompt tokens of requests that have no first token yet: exact about *when* the
@@ -175,6 +176,7 @@ def _ttft(
         + config.prefill_s(prompt_tokens - cached, cached)
         + (host_tokens * config.host_load_token_s + storage_tokens * config.storage_load_token_s)
         + worker.in_flight_requests * config.decode_request_s
+        + config.prefill_s(worker.others_prefill_tokens)
     )
     return ttft, cached
 

@@ -3,13 +3,14 @@
 kv_aware predicts each worker's time to first token; a worker that holds none of the
 prompt differs from another only by its load term::
 
-    min(queued_s, guarded_s) + in_flight_requests × decode_request_s
+    min(queued_s, guarded_s) + in_flight_requests × decode_request_s + others_s
 
 (see :func:`kvserve.core.routing.kv_aware.predict`). Predicting every worker to find the
 smallest term costs a prediction per worker per request: the decision then grows with
 the fleet. This structure finds the worker with the smallest term without a scan. The
-term is the smaller of ``guarded_s + r`` and ``queued_s + r`` (``r`` the requests term),
-so its minimum is the smaller of the two minima:
+term is the smaller of ``guarded_s + r`` and ``queued_s + r`` (``r`` the terms that
+change only with the guards: requests, and the prefill other replicas reported), so its
+minimum is the smaller of the two minima:
 
 - ``guarded_s + r`` changes only when the router's guards do: one sorted order.
 - ``queued_s + r`` moves with the clock, but not its order within two classes: a worker
@@ -75,7 +76,7 @@ class _Order:
 
 @dataclass(slots=True)
 class _Load:
-    requests_s: float
+    fixed_s: float
     guarded_s: float
     done_at: float
     sort_key: tuple[int, int]
@@ -101,12 +102,14 @@ class LoadOrder:
     def update(self, load: WorkerLoad) -> None:
         """The router's guards on one worker changed (or it was first seen)."""
         entry = self._loads.get(load.worker_id)
-        requests_s = load.in_flight_requests * self._decode_request_s
+        fixed_s = load.in_flight_requests * self._decode_request_s + self._guarded_seconds(
+            load.others_prefill_tokens
+        )
         guarded_s = self._guarded_seconds(load.in_flight_prefill_tokens)
         if entry is None:
-            entry = self._loads[load.worker_id] = _Load(requests_s, guarded_s, 0.0, load.sort_key)
+            entry = self._loads[load.worker_id] = _Load(fixed_s, guarded_s, 0.0, load.sort_key)
         else:
-            entry.requests_s, entry.guarded_s = requests_s, guarded_s
+            entry.fixed_s, entry.guarded_s = fixed_s, guarded_s
             entry.sort_key = load.sort_key
         self._reorder(load.worker_id, entry)
 
@@ -155,11 +158,11 @@ class LoadOrder:
     def _classify(self, worker_id: str, entry: _Load) -> None:
         if entry.done_at > self._now:
             self._drained.remove(worker_id)
-            self._queued.set(worker_id, (entry.done_at + entry.requests_s, *entry.sort_key))
+            self._queued.set(worker_id, (entry.done_at + entry.fixed_s, *entry.sort_key))
         else:
             self._queued.remove(worker_id)
-            self._drained.set(worker_id, (entry.requests_s, *entry.sort_key))
+            self._drained.set(worker_id, (entry.fixed_s, *entry.sort_key))
 
     def _reorder(self, worker_id: str, entry: _Load) -> None:
-        self._by_guarded.set(worker_id, (entry.guarded_s + entry.requests_s, *entry.sort_key))
+        self._by_guarded.set(worker_id, (entry.guarded_s + entry.fixed_s, *entry.sort_key))
         self._classify(worker_id, entry)
