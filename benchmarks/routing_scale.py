@@ -19,8 +19,14 @@ Decision time is CPU time (``time.thread_time_ns``) of ``select`` alone.
 Index memory: bytes held per (block, holder) entry, measured with ``tracemalloc`` while
 the index is built, for one holder per block and for blocks held by many workers.
 
+With ``--sim-trace``: ``kvserve simulate``'s wall time for cache_aware and kv_aware on
+that trace at ``--sim-workers`` workers, arrivals compressed ``--sim-speedup`` times (the
+Mooncake trace at 10 workers ×1 scales to 1,000 workers ×100: the same load per worker).
+
 Run: ``python benchmarks/routing_scale.py [--workers 10,100,1000,10000]
-[--prompt-blocks 16,128] [--blocks 100] [--decisions 300]``.
+[--prompt-blocks 16,128] [--blocks 100] [--decisions 300]
+[--sim-trace ../shared/data/mooncake/conversation_trace.jsonl --sim-workers 1000
+--sim-speedup 100]``.
 """
 
 from __future__ import annotations
@@ -33,7 +39,9 @@ import statistics
 import time
 import tracemalloc
 from collections.abc import Callable
+from pathlib import Path
 
+from kvserve.core.cost_model import profile as cost_profile
 from kvserve.core.kv_events import KVEvent
 from kvserve.core.routing.cache_aware import CacheAwareConfig
 from kvserve.core.routing.kv_aware import KvAwareConfig, lowest_ttft
@@ -42,6 +50,9 @@ from kvserve.core.routing.policies.cache_aware import CacheAwarePolicy
 from kvserve.core.routing.policies.kv_aware import KvAwarePolicy
 from kvserve.core.routing.policy import Policy
 from kvserve.core.routing.types import PromptBlocks, RouteQuery, WorkerLoad
+from kvserve.sim.report import summarize
+from kvserve.sim.simulator import SimConfig, simulate
+from kvserve.sim.trace import load_trace
 
 BLOCK_TOKENS = 16
 SYSTEM_BLOCKS = 8
@@ -187,6 +198,27 @@ def index_bytes_per_entry(workers: int, blocks: int, holders: int) -> float:
     return used / entries
 
 
+def simulator_wall(trace: Path, workers: int, speedup: float) -> None:
+    loaded = load_trace(trace, speedup=speedup)
+    cost = cost_profile("llama3-8b-h100")
+    config = SimConfig(
+        num_workers=workers,
+        cache_tokens=3_000_000,
+        cost=cost,
+        kv_aware=KvAwareConfig.from_cost_model(cost),
+    )
+    print(f"\n## simulator, {workers} workers, {loaded.name} x{speedup:g}\n")
+    print("| policy | wall (s) | hit rate | TTFT p50 (s) | p99 (s) |")
+    print("|---|---:|---:|---:|---:|")
+    for name in ("cache_aware", "kv_aware"):
+        summary = summarize(simulate(loaded.requests, name, config))
+        print(
+            f"| {name} | {summary.sim_wall_s:.1f} | {summary.hit_rate:.3f} | "
+            f"{summary.ttft_p50_s:.3f} | {summary.ttft_p99_s:.3f} |",
+            flush=True,
+        )
+
+
 def _percentile(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
@@ -199,7 +231,13 @@ def main() -> None:
     parser.add_argument("--blocks", type=int, default=100, help="indexed blocks per worker")
     parser.add_argument("--decisions", type=int, default=300)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--sim-trace", type=Path)
+    parser.add_argument("--sim-workers", type=int, default=1000)
+    parser.add_argument("--sim-speedup", type=float, default=100.0)
     args = parser.parse_args()
+    if args.sim_trace is not None:
+        simulator_wall(args.sim_trace, args.sim_workers, args.sim_speedup)
+        return
     print("## decision time, µs of CPU (p50 / p99)\n")
     print("| workers | prompt blocks | cache_aware | kv_aware | kv_aware exhaustive |")
     print("|---:|---:|---:|---:|---:|")
