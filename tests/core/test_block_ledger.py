@@ -4,6 +4,7 @@ import pytest
 
 from kvserve.core.block_ledger import BlockLedger
 from kvserve.core.hashing import block_hashes, make_namespace
+from kvserve.core.invariants import InvariantError
 from kvserve.core.kv_cache_errors import (
     DoubleFreeError,
     InconsistentChainError,
@@ -216,5 +217,5 @@ def test_check_detects_broken_invariants(corrupt):
     commit(ledger, [1, 2])
     ledger.check()
     corrupt(ledger)
-    with pytest.raises(AssertionError):
+    with pytest.raises(InvariantError):
         ledger.check()

@@ -3,6 +3,7 @@
 import pytest
 
 from kvserve.core.hashing import block_hashes, make_namespace
+from kvserve.core.invariants import InvariantError
 from kvserve.core.kv_cache_errors import RequestStateError
 from kvserve.core.kv_cache_manager import KVCacheManager
 from kvserve.core.kv_events import EventLog, apply_events
@@ -156,5 +157,5 @@ def test_check_notices_a_pin_no_request_holds():
     kv = KVCacheManager(8, BS)
     run_prompt(kv, "a", list(range(9)))
     kv._ledger.pin([kv.block_table("a")[0]])
-    with pytest.raises(AssertionError, match="ref counts"):
+    with pytest.raises(InvariantError, match="ref counts"):
         kv.check()

@@ -114,10 +114,14 @@ def test_worker_api_without_a_key_answers_loopback_only(
             remote.get("/workers"),
             remote.post("/workers", json={"url": foreign_fleet[1].url}),
             remote.delete("/workers/w0"),
+            remote.get("/dashboard"),
+            remote.get("/dashboard/data"),
         ]
-        assert [r.status_code for r in refused] == [403] * 3
+        assert [r.status_code for r in refused] == [403] * 5
         assert refused[0].json()["error"]["code"] == "admin_key_required"
         assert remote.post("/v1/completions", json={"prompt": "x"}).status_code == 200
+        foreign = local.get("/dashboard/data").json()["workers"][0]
+        assert (foreign["id"], foreign["kv"]) == ("w0", None)  # no kvserve /metrics to read
         assert local.post("/workers", json={"url": foreign_fleet[1].url}).status_code == 201
         assert local.delete("/workers/w0").status_code == 200
         assert [w["id"] for w in local.get("/workers").json()["workers"]] == ["w1"]

@@ -76,6 +76,7 @@ def test_first_run_makes_the_tiny_model_in_the_cache(fleet, cache_dir: Path) -> 
     assert "making the tiny model" in up.log_tail()
     assert "curl http://127.0.0.1:" in up.log_tail()
     log = up.log_tail(60)
+    assert f"dashboard: {up.url}/dashboard" in log
     assert f"model folder: {cache_dir / 'models' / 'tiny-llama'}" in log  # clients' tokenizer
     assert "served as 'tiny-llama'" in log and "random weights" in log
 
@@ -153,6 +154,11 @@ def test_pd_mode_answers_as_mixed_names_both_workers_and_sigterm_stops_it(
             answer = greedy_completion(client, prompt)
         headers = answer.headers
         assert headers["x-kvserve-pd"] == "remote", headers
+        data = httpx.get(pd.url + "/dashboard/data", timeout=10).json()
+        assert data["policy"] == "cache_aware"
+        latest = data["decisions"]["recent"][0]
+        assert latest["worker"] == headers["x-kvserve-worker"]
+        assert latest["prefill_worker"] == headers["x-kvserve-prefill-worker"]
         assert pools[headers["x-kvserve-worker"]] == "decode"
         assert pools[headers["x-kvserve-prefill-worker"]] == "prefill"
         assert "policy=cache_aware" in headers["x-kvserve-decision"]
@@ -221,8 +227,13 @@ def test_ctrl_c_stops_everything(fleet) -> None:
 def test_kv_aware_fleet_hashes_prompts_then_sigkill_of_up_stops_its_children(
     cache_dir: Path,
 ) -> None:
-    up = start_up(cache_dir, "--workers", "1", "--policy", "kv_aware")
+    worker_settings = ("--num-blocks", "384", "--host-cache-blocks", "64")
+    up = start_up(cache_dir, "--workers", "1", "--policy", "kv_aware", *worker_settings)
     try:
+        (worker,) = httpx.get(up.url + "/workers").json()["workers"]
+        exposed = samples(worker["url"] + "/metrics")  # up passed its worker settings on
+        assert exposed[("kvserve_kv_blocks_total", frozenset())] == 384
+        assert exposed[("kvserve_kv_tier_host_capacity_blocks", frozenset())] == 64
         with httpx.Client(base_url=up.url, timeout=60.0) as client:
             decisions = [
                 _chat(client, SYSTEM, question).headers["x-kvserve-decision"]

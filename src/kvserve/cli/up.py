@@ -12,7 +12,7 @@ import shutil
 import signal
 import tempfile
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, cast
 
 import typer
 
@@ -54,6 +54,24 @@ def _raise_keyboard_interrupt(_signum: int, _frame: object) -> None:
     raise KeyboardInterrupt
 
 
+_WORKERS_PANEL = "Worker settings (every worker gets them; see kvserve worker --help)"
+
+
+def _worker_option(help_text: str) -> typer.models.OptionInfo:
+    return cast(
+        typer.models.OptionInfo, typer.Option(help=help_text, rich_help_panel=_WORKERS_PANEL)
+    )
+
+
+def _worker_args(**settings: object) -> list[str]:
+    """``kvserve worker`` flags for the settings given (None: the worker's default)."""
+    args: list[str] = []
+    for name, value in settings.items():
+        if value is not None:
+            args += [f"--{name.replace('_', '-')}", str(value)]
+    return args
+
+
 def register(app: typer.Typer) -> None:
     @app.command()
     def up(
@@ -75,6 +93,24 @@ def register(app: typer.Typer) -> None:
         decode: Annotated[
             int, typer.Option(min=0, help="PD mode: decode workers (replace --workers).")
         ] = 0,
+        num_blocks: Annotated[
+            int | None, _worker_option("KV blocks of each worker's device pool.")
+        ] = None,
+        host_cache_blocks: Annotated[
+            int, _worker_option("KV blocks of each worker's host memory tier (0: none).")
+        ] = 0,
+        kv_storage: Annotated[
+            str | None, _worker_option("KV storage tier the workers share (e.g. file:DIR).")
+        ] = None,
+        storage_write_policy: Annotated[
+            str, _worker_option("Blocks written to storage: write_through | hit_count:K.")
+        ] = "write_through",
+        runner: Annotated[
+            str, _worker_option("model | sim (cost-model step times, no weights).")
+        ] = "model",
+        sim_profile: Annotated[
+            str, _worker_option("Cost profile of --runner sim: llama3-8b-h100 | tiny.")
+        ] = "llama3-8b-h100",
     ) -> None:
         """Start workers and a router on this machine; Ctrl-C stops everything."""
         from kvserve.router.local_fleet import LocalFleet, StartError, port_taken
@@ -106,6 +142,14 @@ def register(app: typer.Typer) -> None:
             log_dir=log_dir,
             prefill=prefill,
             decode=decode,
+            worker_args=_worker_args(
+                num_blocks=num_blocks,
+                host_cache_blocks=host_cache_blocks,
+                kv_storage=kv_storage,
+                storage_write_policy=storage_write_policy,
+                runner=runner,
+                sim_profile=sim_profile,
+            ),
         )
         if decode:
             workers = prefill + decode
@@ -122,6 +166,7 @@ def register(app: typer.Typer) -> None:
             fleet.start(start_timeout)
             typer.echo(
                 f"\nkvserve is up: {fleet.url}/v1  ({workers} workers, policy {policy})\n"
+                f"dashboard: {fleet.url}/dashboard\n"
                 f"try:\n  curl {fleet.url}/v1/chat/completions -H 'Content-Type: application/json'"
                 f' -d \'{{"model": "{model_dir.name}", "messages": [{{"role": "user",'
                 f' "content": "Hello!"}}], "max_tokens": 16}}\'\n'

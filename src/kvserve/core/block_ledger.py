@@ -16,6 +16,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from kvserve.core.invariants import require
 from kvserve.core.kv_cache_errors import (
     DoubleFreeError,
     KVCacheError,
@@ -282,14 +283,14 @@ class BlockLedger:
     # ---------------------------------------------------------------- invariants
 
     def check(self) -> None:
-        """Raise AssertionError unless every block is in exactly one consistent state."""
+        """Raise InvariantError unless every block is in exactly one consistent state."""
         pool = self._pool
-        assert len(set(pool)) == len(pool), "a block is in the free pool twice"
+        require(len(set(pool)) == len(pool), "a block is in the free pool twice")
         state = self._state
-        assert all(state[block] == FREE for block in pool), "a pooled block is not free"
-        assert state.count(FREE) == len(pool), "a free block is missing from the pool"
+        require(all(state[block] == FREE for block in pool), "a pooled block is not free")
+        require(state.count(FREE) == len(pool), "a free block is missing from the pool")
         cached = set(self._tree.blocks())
-        assert all(state[block] == CACHED for block in cached), "a tree block is not cached"
-        assert state.count(CACHED) == len(cached), "a cached block is missing from the tree"
+        require(all(state[block] == CACHED for block in cached), "a tree block is not cached")
+        require(state.count(CACHED) == len(cached), "a cached block is missing from the tree")
         self._tree.check()
-        assert self.stats.evictions >= 0, "negative counter"
+        require(self.stats.evictions >= 0, "negative counter")

@@ -24,6 +24,7 @@ import heapq
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from kvserve.core.invariants import require
 from kvserve.core.kv_events import EventLog
 
 # The eviction heap is rebuilt from live entries once it holds this many stale ones
@@ -176,18 +177,18 @@ class HostTierIndex:
         return found
 
     def check(self) -> None:
-        """Raise AssertionError on any broken invariant."""
+        """Raise InvariantError on any broken invariant."""
         entries = self._entries
         slots = [entry.slot for entry in entries.values()]
-        assert len(set(slots)) == len(slots), "two hashes share a slot"
-        assert not set(slots) & set(self._free_slots), "a held slot is also free"
-        assert len(slots) + len(self._free_slots) == self.capacity, "a slot is lost"
+        require(len(set(slots)) == len(slots), "two hashes share a slot")
+        require(not set(slots) & set(self._free_slots), "a held slot is also free")
+        require(len(slots) + len(self._free_slots) == self.capacity, "a slot is lost")
         children: dict[int, int] = {}
         for entry in entries.values():
             if entry.parent is not None:
-                assert entry.parent in entries, "a suffix outlived its prefix"
+                require(entry.parent in entries, "a suffix outlived its prefix")
                 children[entry.parent] = children.get(entry.parent, 0) + 1
         for block_hash, entry in entries.items():
-            assert entry.children == children.get(block_hash, 0), "child count is wrong"
+            require(entry.children == children.get(block_hash, 0), "child count is wrong")
             if not entry.children:
-                assert (entry.stamp, block_hash) in self._heap, "a leaf cannot be evicted"
+                require((entry.stamp, block_hash) in self._heap, "a leaf cannot be evicted")

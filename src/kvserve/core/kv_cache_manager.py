@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from kvserve.core.block_ledger import BlockLedger, CacheStats
+from kvserve.core.invariants import require
 from kvserve.core.kv_cache_errors import RequestStateError
 from kvserve.core.kv_events import EventLog
 
@@ -185,17 +186,17 @@ class KVCacheManager:
         for request_id, request in self._requests.items():
             pins.update(request.pinned)
             owned.extend(request.owned_blocks())
-            assert len(request.pinned) <= len(request.table), f"{request_id}: pins > table"
+            require(len(request.pinned) <= len(request.table), f"{request_id}: pins > table")
             parent = None
             for block in request.pinned:
-                assert ledger.ref_count(block) > 0, f"{request_id}: block {block} not pinned"
+                require(ledger.ref_count(block) > 0, f"{request_id}: block {block} not pinned")
                 block_hash = ledger.hash_of(block)
-                assert ledger.parent_hash_of(block) == parent, f"{request_id}: chain broken"
+                require(ledger.parent_hash_of(block) == parent, f"{request_id}: chain broken")
                 parent = block_hash
-        assert dict(pins) == ledger.pinned_counts(), "ref counts differ from requests' pins"
-        assert len(set(owned)) == len(owned), "an owned block belongs to two requests"
-        assert all(ledger.state_of(block) == "owned" for block in owned), "owned block state"
-        assert len(owned) == ledger.num_owned_blocks, "an owned block belongs to no request"
+        require(dict(pins) == ledger.pinned_counts(), "ref counts differ from requests' pins")
+        require(len(set(owned)) == len(owned), "an owned block belongs to two requests")
+        require(all(ledger.state_of(block) == "owned" for block in owned), "owned block state")
+        require(len(owned) == ledger.num_owned_blocks, "an owned block belongs to no request")
 
     def _require(self, request_id: str) -> _RequestBlocks:
         request = self._requests.get(request_id)

@@ -30,6 +30,7 @@ from collections import deque
 from collections.abc import Iterable, Iterator, Sequence
 from heapq import heapify, heappop, heappush
 
+from kvserve.core.invariants import require
 from kvserve.core.kv_cache_errors import (
     InconsistentChainError,
     NotCachedError,
@@ -398,17 +399,17 @@ class PrefixTree:
     # ---------------------------------------------------------------- invariants
 
     def check(self) -> None:
-        """Raise AssertionError if links, counts, held state or eviction queues disagree."""
+        """Raise InvariantError if links, counts, held state or eviction queues disagree."""
         order = {block: i for i, block in enumerate(self._block_of.values())}
-        assert len(order) == len(self._block_of), "a block holds two hashes"
+        require(len(order) == len(self._block_of), "a block holds two hashes")
         children_count = dict.fromkeys(order, 0)
         for block_hash, block in self._block_of.items():
-            assert self._hash[block] == block_hash, f"block {block}: hash link broken"
-            assert self._ref[block] >= 0, f"block {block}: negative ref count"
+            require(self._hash[block] == block_hash, f"block {block}: hash link broken")
+            require(self._ref[block] >= 0, f"block {block}: negative ref count")
             up = self._parent[block]
             if up != _NO_PARENT:
-                assert up in order, f"block {block}: parent {up} is not cached"
-                assert order[up] < order[block], f"block {block} listed before its parent"
+                require(up in order, f"block {block}: parent {up} is not cached")
+                require(order[up] < order[block], f"block {block} listed before its parent")
                 children_count[up] += 1
         held: dict[int, bool] = {}
         held_children_count = dict.fromkeys(order, 0)
@@ -418,22 +419,23 @@ class PrefixTree:
             if held[block] and up != _NO_PARENT:
                 held_children_count[up] += 1
         for block in order:
-            assert self._children[block] == children_count[block], f"block {block}: children"
-            assert self._held_children[block] == held_children_count[block], (
-                f"block {block}: held children count"
+            require(self._children[block] == children_count[block], f"block {block}: children")
+            require(
+                self._held_children[block] == held_children_count[block],
+                f"block {block}: held children count",
             )
-        assert self.num_held == sum(held.values()), "held count drifted"
+        require(self.num_held == sum(held.values()), "held count drifted")
         released = list(self._released)
-        assert released == sorted(released), "released leaves out of stamp order"
+        require(released == sorted(released), "released leaves out of stamp order")
         entries = released + self._exposed
         live = {entry & self._mask for entry in entries if self._is_candidate(entry)}
         for block in order:
             if not self._ref[block] and not self._children[block]:
-                assert self._stamp[block] >= 0, f"unpinned leaf {block} was never released"
-                assert block in live, f"unpinned leaf {block} is no eviction candidate"
-        assert live <= order.keys(), "an eviction candidate is not cached"
+                require(self._stamp[block] >= 0, f"unpinned leaf {block} was never released")
+                require(block in live, f"unpinned leaf {block} is no eviction candidate")
+        require(live <= order.keys(), "an eviction candidate is not cached")
         for block in range(len(self._ref)):
             if block not in order:  # insert relies on blocks arriving blank
                 blank = (self._ref[block], self._children[block], self._held_children[block])
-                assert blank == (0, 0, 0), f"block {block} left the tree with links"
-                assert self._stamp[block] == _NOT_RELEASED, f"block {block} kept its stamp"
+                require(blank == (0, 0, 0), f"block {block} left the tree with links")
+                require(self._stamp[block] == _NOT_RELEASED, f"block {block} kept its stamp")

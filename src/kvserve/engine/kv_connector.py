@@ -100,7 +100,8 @@ class KVConnector:
         return {}
 
     def check(self) -> None:
-        """Assert this connector's invariants (tests, ``/debug/check``)."""
+        """Raise :class:`~kvserve.core.invariants.InvariantError` if this connector's
+        state is inconsistent (tests, ``/debug/check``)."""
 
     def close(self) -> None:
         """Stop background threads; the engine is not stepped again."""

@@ -19,6 +19,9 @@ from kvserve.core.routing.policies.kv_aware import KvAwarePolicy
 from kvserve.core.routing.types import WorkerLoad
 from kvserve.router.access import bearer_matches, control_plane_refusal, unauthorized
 from kvserve.router.config import RouterConfig
+from kvserve.router.dashboard.data import dashboard_data
+from kvserve.router.dashboard.routes import DashboardRoutes
+from kvserve.router.dashboard.sampler import FleetSampler
 from kvserve.router.errors import openai_error
 from kvserve.router.health import HealthChecker
 from kvserve.router.kv_event_subscriber import KVEventSubscriber
@@ -60,6 +63,7 @@ class Router:
         self._session: aiohttp.ClientSession | None = None
         self._proxy: Proxy | None = None
         self._health: HealthChecker | None = None
+        self._sampler: FleetSampler | None = None
 
     async def lifecycle(self, _app: web.Application) -> AsyncIterator[None]:
         """Open the pooled session, check every worker once, then keep checking."""
@@ -73,7 +77,9 @@ class Router:
                 self._proxy = Proxy(*proxy_args, session, preparer=self.preparer)
             self._health = HealthChecker(self.registry, self.config.health, self.metrics, session)
             await self._health.probe_all()
+            self._sampler = FleetSampler(self.registry, self.metrics, session)
             tasks = [asyncio.create_task(self._health.run_forever())]
+            tasks.append(asyncio.create_task(self._sampler.run_forever()))
             if self.policy.observes_kv_events:  # every worker's stream, of every pool
                 self.subscriber = KVEventSubscriber(
                     self.policy,
@@ -108,6 +114,7 @@ class Router:
                 web.get("/workers", self._control_plane(self.list_workers)),
                 web.post("/workers", self._control_plane(self.add_worker)),
                 web.delete("/workers/{worker_id}", self._control_plane(self.remove_worker)),
+                *DashboardRoutes(self.dashboard_data).routes(self._control_plane),
             ]
         )
         return app
@@ -162,6 +169,12 @@ class Router:
                     blocks = index.num_blocks(worker.worker_id, tier)
                     self.metrics.kv_index_blocks.labels(worker.worker_id, tier).set(blocks)
         return web.Response(body=self.metrics.render(), content_type="text/plain")
+
+    def dashboard_data(self) -> dict[str, object]:
+        assert self._sampler is not None
+        return dashboard_data(
+            self.registry, self.tracker, self.metrics, self._sampler, self.config.policy
+        )
 
     def _describe(self, worker: Worker) -> dict[str, object]:
         load = self.tracker.load(worker.worker_id)

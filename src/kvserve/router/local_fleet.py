@@ -176,6 +176,7 @@ class LocalFleet:
         log_dir: Path,
         prefill: int = 0,
         decode: int = 0,
+        worker_args: Sequence[str] = (),
     ) -> None:
         if prefill and not decode:
             raise ValueError("prefill workers need decode workers")
@@ -184,6 +185,7 @@ class LocalFleet:
         if not self._roles:
             raise ValueError("a fleet needs at least one worker")
         self._model_dir = model_dir
+        self._worker_args = list(worker_args)  # ``kvserve worker`` flags every worker gets
         self._workers = len(self._roles)
         self._policy = policy
         self._host = host
@@ -205,6 +207,7 @@ class LocalFleet:
                 port = free_port()
                 args = [*KVSERVE_COMMAND, "worker", "--model", str(self._model_dir)]
                 args += ["--host", "127.0.0.1", "--port", str(port), "--role", role]
+                args += self._worker_args
                 workers.append(self._spawn(f"worker{index}", args, f"http://127.0.0.1:{port}", env))
             for worker in workers:
                 worker.wait_healthy(timeout_s)

@@ -6,7 +6,8 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from kvserve.core.routing.types import WorkerLoad
+from kvserve.core.routing.types import RoutingDecision, WorkerLoad
+from kvserve.router.dashboard.decision_log import DecisionLog
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 
@@ -111,6 +112,12 @@ class RouterMetrics:
             ["worker", "tier"],
             registry=self.registry,
         )
+        self.recent_decisions = DecisionLog()  # for the dashboard: which request, and why
+
+    def record_decision(self, decision: RoutingDecision) -> None:
+        """Count a routing decision and keep it among the recent ones."""
+        self.decisions.labels(decision.policy, decision.reason).inc()
+        self.recent_decisions.record(decision)
 
     def show_load(self, load: WorkerLoad) -> None:
         self.in_flight_requests.labels(load.worker_id).set(load.in_flight_requests)

@@ -109,7 +109,7 @@ class PDProxy(Proxy):
         decision = self._policy.select_pair(
             query, decode_loads, prefill_loads, now, self._config.pd
         )
-        self._metrics.decisions.labels(decision.policy, decision.reason).inc()
+        self._metrics.record_decision(decision)
         worker = next(w for w in decodes if w.worker_id == decision.worker_id)
         return worker, decision
 

@@ -127,7 +127,7 @@ class Proxy:
             return None
         loads = [self._tracker.load(w.worker_id) for w in workers]
         decision = self._policy.select(query, loads, now)
-        self._metrics.decisions.labels(decision.policy, decision.reason).inc()
+        self._metrics.record_decision(decision)
         by_id = {w.worker_id: w for w in workers}
         return by_id[decision.worker_id], decision
 

@@ -12,6 +12,8 @@ for a short generation.
 
 from __future__ import annotations
 
+import math
+import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager, nullcontext
 from typing import Any
@@ -20,8 +22,10 @@ from fastapi import FastAPI
 from starlette.responses import Response
 from starlette.types import ASGIApp
 
+from kvserve.core.invariants import InvariantError
 from kvserve.worker.body_limit import BodyLimitMiddleware
 from kvserve.worker.config import WorkerConfig
+from kvserve.worker.debug_check import CheckBudget, CheckRefused
 from kvserve.worker.engine_bridge import EngineBridge
 from kvserve.worker.engine_state import probe_engine
 from kvserve.worker.errors import APIError, install_error_handlers
@@ -79,12 +83,23 @@ def build_app(config: WorkerConfig, engine: Any) -> ASGIApp:
     async def prometheus_metrics() -> Response:
         return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
+    check_budget = CheckBudget(time.monotonic)
+
     @app.get("/debug/check")
     async def check_ledger() -> Response:
-        """Runs the block ledger's and the connectors' invariant checks between two steps."""
-        try:
+        """Runs the block ledger's and the connectors' invariant checks between two steps,
+        within the check budget (see :mod:`kvserve.worker.debug_check`)."""
+
+        async def check() -> None:
             await bridge.call(lambda e: e.check())
-        except AssertionError as exc:
+
+        try:
+            await check_budget.run(check)
+        except CheckRefused as refused:
+            body = APIError(429, str(refused), code="check_rate_limited").body()
+            retry_after = str(max(1, math.ceil(refused.retry_after_s)))
+            return JSONResponse(body, status_code=429, headers={"Retry-After": retry_after})
+        except InvariantError as exc:
             raise APIError(500, f"KV cache invariant broken: {exc}", code="ledger_broken") from exc
         return JSONResponse({"ok": True})
 
