@@ -27,7 +27,7 @@ def test_a_replica_sees_its_own_guards_now_and_the_others_as_last_reported() -> 
 
 def test_replicas_share_the_fleet_and_release_every_guard() -> None:
     trace = conversations(num=20, turns=3, gap_s=0.5, seed=5)
-    for interval in (None, 0.05):
+    for interval in (None, 0.05, 0.0):
         simulation = Simulation(
             "kv_aware",
             dataclasses.replace(config(), router_replicas=3, load_report_interval_s=interval),

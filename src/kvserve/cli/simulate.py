@@ -59,7 +59,8 @@ def register(app: typer.Typer) -> None:
             float | None,
             typer.Option(
                 help="With replicas: seconds between workers' load reports, added to each "
-                "replica's own guards (default: none, each sees its own guards only)."
+                "replica's own guards; 0: before every decision (default: none, each sees "
+                "its own guards only)."
             ),
         ] = None,
         seed: Annotated[

@@ -11,7 +11,8 @@ the last report (the report less what the replica itself held then): their reque
 added to its own, their prefill tokens apart (``WorkerLoad.others_prefill_tokens``),
 since kv_aware weighs its own prefill queue against its own guards and must add the
 others' queue, not hide it behind a minimum. Without reports (``None``) a replica sees
-its own guards only, the fragmentation to measure.
+its own guards only, the fragmentation to measure; with 0, every worker reports before
+each decision (replicas that announce each choice to the others at once).
 """
 
 from __future__ import annotations

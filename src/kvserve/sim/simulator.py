@@ -64,15 +64,17 @@ class SimConfig:
     kv_aware: KvAwareConfig = field(default_factory=KvAwareConfig)
     cache_aware: CacheAwareConfig = field(default_factory=CacheAwareConfig)
     router_replicas: int = 1  # requests go to them in turn (see kvserve.sim.replicas)
-    load_report_interval_s: float | None = None  # None: a replica sees its own guards only
+    # None: a replica sees its own guards only; 0: every worker reports before each
+    # decision (replicas that announce every choice to each other at once)
+    load_report_interval_s: float | None = None
 
     def __post_init__(self) -> None:
         if self.num_workers < 1:
             raise ValueError("num_workers must be >= 1")
         if self.router_replicas < 1:
             raise ValueError("router_replicas must be >= 1")
-        if self.load_report_interval_s is not None and self.load_report_interval_s <= 0:
-            raise ValueError("load_report_interval_s must be > 0")
+        if self.load_report_interval_s is not None and self.load_report_interval_s < 0:
+            raise ValueError("load_report_interval_s must be >= 0 (0: before every decision)")
         if self.cache_tokens < BLOCK_TOKENS:
             raise ValueError(f"cache_tokens must hold at least one {BLOCK_TOKENS}-token block")
 
@@ -217,7 +219,7 @@ class Simulation:
     def _report_loads(self, now: float) -> None:
         """Each worker reports what all replicas have in flight on it, every interval."""
         interval = self.config.load_report_interval_s
-        if interval is None or len(self.replicas) == 1 or now < self._next_report:
+        if interval is None or len(self.replicas) == 1 or (interval and now < self._next_report):
             return
         self._next_report = now + interval
         for worker_id in self.workers:
