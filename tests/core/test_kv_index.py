@@ -99,12 +99,12 @@ def test_snapshot_replaces_a_workers_view() -> None:
 def test_speculative_insert_expires_unless_confirmed() -> None:
     index = KVBlockIndex()
     index.speculate("w0", [1, 2, 3], deadline=2.0)
-    assert index.match([1, 2, 3], ["w0"], now=1.0)["w0"].speculative == 3
+    assert index.match([1, 2, 3], ["w0"], now=1.0)["w0"].blocks_by_tier["device"] == 3
+    assert index.num_speculative("w0") == 3
     index.apply("w0", stored(1, [1]))  # the worker confirms the first block only
-    match = index.match([1, 2, 3], ["w0"], now=1.5)["w0"]
-    assert (match.blocks_by_tier["device"], match.speculative) == (1, 2)
-    match = index.match([1, 2, 3], ["w0"], now=2.0)["w0"]
-    assert (match.blocks_by_tier["device"], match.speculative) == (1, 0)
+    assert index.match([1, 2, 3], ["w0"], now=1.5)["w0"].blocks_by_tier["device"] == 3
+    assert index.num_speculative("w0") == 2
+    assert index.match([1, 2, 3], ["w0"], now=2.0)["w0"].blocks_by_tier["device"] == 1
     assert index.num_speculative("w0") == 0
 
 
@@ -139,3 +139,34 @@ def test_index_equals_a_real_cache_through_events_and_a_gap() -> None:
     held = {h for h, _ in cache.snapshot()[1]}
     assert index.num_blocks("w0") == len(held)
     assert all(index.holds("w0", h) for h in held)
+
+
+def test_a_budget_forgets_the_least_recently_used_blocks_and_counts_them() -> None:
+    index = KVBlockIndex(max_entries=6)
+    index.apply("w0", stored(1, [1, 2, 3]))
+    index.apply("w1", stored(1, [1, 2]))
+    assert (index.num_entries, index.evicted_entries) == (5, 0)
+    index.match_holders([1, 2], now=0.0)  # 1 and 2 are used: 3 is the coldest now
+    index.apply("w1", stored(2, [7, 8]))
+    assert index.num_entries <= 6
+    assert index.evicted_entries == 1
+    assert index.match([1, 2, 3], ["w0"], now=0.0)["w0"].num_blocks == 2
+    index.apply("w0", KVEvent(2, "removed", "device", (3,), None))  # already forgotten
+    index.apply("w1", KVEvent(3, "cleared", "device", (), None))
+    assert index.num_entries == 2
+    assert index.num_blocks("w0") == 2
+
+
+def test_one_holder_is_stored_compactly_many_as_a_mask() -> None:
+    index = KVBlockIndex()
+    for w in range(300):
+        index.apply(f"w{w}", stored(1, [w]))  # block w on worker w alone
+    index.apply("w5", stored(2, [299]))
+    assert [index.holds("w299", 299), index.holds("w5", 299), index.holds("w5", 5)] == [
+        True,
+        True,
+        True,
+    ]
+    index.apply("w299", KVEvent(2, "removed", "device", (299,), None))
+    assert index.match_holders([299], now=0.0).keys() == {"w5"}
+    assert index.num_entries == 300

@@ -71,6 +71,9 @@ class Recording(Policy):
         self._events[worker_id].extend(events)
         self.inner.observe_events(worker_id, events)
 
+    def observe_load(self, load: WorkerLoad) -> None:
+        self.inner.observe_load(load)
+
 
 def trace() -> list[TraceRequest]:
     """Conversations (a session each) that share a system prompt, overlapping in time so
@@ -98,8 +101,9 @@ def trace() -> list[TraceRequest]:
 
 def simulate_and_record(name: str, config: SimConfig, requests: list[TraceRequest]) -> list[Step]:
     simulation = Simulation(name, config)
-    recording = Recording(simulation.policy)
-    simulation.policy = recording
+    (replica,) = simulation.replicas
+    recording = Recording(replica.policy)
+    replica.policy = recording
     simulation.run(requests)
     return recording.steps
 
@@ -130,8 +134,8 @@ def replay_in_router(
     for url in router_config.worker_urls:
         registry.add(url).healthy = True
     clock = [0.0]
-    tracker = LoadTracker()
     policy = router_config.make_policy(0.0)
+    tracker = LoadTracker(on_change=policy.observe_load)  # as the router's app wires it
     proxy = Proxy(router_config, registry, tracker, policy, RouterMetrics(), None, lambda: clock[0])
     subscriber = KVEventSubscriber(policy, registry, None)
     for worker in registry.all():

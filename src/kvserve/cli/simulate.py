@@ -48,6 +48,21 @@ def register(app: typer.Typer) -> None:
         speedup: Annotated[
             float, typer.Option(help="Compress arrival times by this factor (more load).")
         ] = 1.0,
+        router_replicas: Annotated[
+            int,
+            typer.Option(
+                help="Router replicas taking requests in turn, each with its own guards and "
+                "policy, all fed the same KV events."
+            ),
+        ] = 1,
+        load_report_interval: Annotated[
+            float | None,
+            typer.Option(
+                help="With replicas: seconds between workers' load reports, added to each "
+                "replica's own guards; 0: before every decision (default: none, each sees "
+                "its own guards only)."
+            ),
+        ] = None,
         seed: Annotated[
             int, typer.Option(help="Seed of the random and power_of_two policies.")
         ] = 0,
@@ -87,13 +102,17 @@ def register(app: typer.Typer) -> None:
                 max_num_batched_tokens=max_num_batched_tokens,
                 seed=seed,
                 kv_aware=KvAwareConfig.from_cost_model(cost),
+                router_replicas=router_replicas,
+                load_report_interval_s=load_report_interval,
             )
             loaded = load_trace(trace, limit=limit, speedup=speedup)
         except ValueError as error:
             raise typer.BadParameter(str(error)) from error
         setup = (
             f"trace {loaded.name} ({len(loaded.requests)} requests, arrivals x{1 / speedup:g}), "
-            f"{workers} workers x {cache_tokens:,} cache tokens, profile {profile}"
+            f"{workers} workers x {cache_tokens:,} cache tokens, profile {profile}, "
+            f"{router_replicas} router replica(s)"
+            + (f", load reports every {load_report_interval:g} s" if load_report_interval else "")
         )
         console = Console(stderr=True)
         results = []

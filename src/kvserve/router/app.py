@@ -16,6 +16,7 @@ from aiohttp import web
 
 from kvserve.core.routing.kv_index import TIERS
 from kvserve.core.routing.policies.kv_aware import KvAwarePolicy
+from kvserve.core.routing.types import WorkerLoad
 from kvserve.router.access import bearer_matches, control_plane_refusal, unauthorized
 from kvserve.router.config import RouterConfig
 from kvserve.router.dashboard.data import dashboard_data
@@ -46,7 +47,7 @@ class Router:
     def __init__(self, config: RouterConfig) -> None:
         self.config = config
         self.metrics = RouterMetrics()
-        self.tracker = LoadTracker(on_change=self.metrics.show_load)
+        self.tracker = LoadTracker(on_change=self._load_changed)
         self.registry = WorkerRegistry(config.circuit_breaker)
         for url in config.worker_urls:
             self.registry.add(url)
@@ -94,6 +95,11 @@ class Router:
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
+
+    def _load_changed(self, load: WorkerLoad) -> None:
+        """Guards changed: the gauges show it, the policy reorders its workers."""
+        self.metrics.show_load(load)
+        self.policy.observe_load(load)
 
     def build_app(self) -> web.Application:
         app = web.Application(client_max_size=self.config.max_request_bytes)

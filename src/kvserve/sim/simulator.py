@@ -16,6 +16,9 @@ fraction of blocks), ``blocks`` the engine's own hashes of its tokens (for
 ``kv_aware``), ``session_key`` the trace's session field (Mooncake and Azure traces have none, so
 ``session`` routes every request by load there).
 
+With ``router_replicas`` R > 1, requests go to R router replicas in turn, each with its
+own policy object and guards, all fed every worker's events (:mod:`kvserve.sim.replicas`).
+
 ``global`` is the reference ceiling: N schedulers (N GPUs) over one shared cache of N×T
 tokens, so every request finds every prefix ever computed and still in that cache; with
 it, routing has only load to decide.
@@ -36,9 +39,10 @@ from kvserve.core.routing.cache_aware import CacheAwareConfig
 from kvserve.core.routing.kv_aware import KvAwareConfig
 from kvserve.core.routing.policies import POLICY_NAMES, make_policy
 from kvserve.core.routing.policy import Policy
-from kvserve.core.routing.types import PromptBlocks, RouteQuery, WorkerLoad
+from kvserve.core.routing.types import PromptBlocks, RouteQuery
 from kvserve.core.sampling_params import SamplingParams
 from kvserve.core.scheduler import SchedulerConfig
+from kvserve.sim.replicas import RouterReplica
 from kvserve.sim.trace import BLOCK_TOKENS, TraceRequest
 from kvserve.sim.worker import SimWorker
 
@@ -59,10 +63,18 @@ class SimConfig:
     seed: int = 0
     kv_aware: KvAwareConfig = field(default_factory=KvAwareConfig)
     cache_aware: CacheAwareConfig = field(default_factory=CacheAwareConfig)
+    router_replicas: int = 1  # requests go to them in turn (see kvserve.sim.replicas)
+    # None: a replica sees its own guards only; 0: every worker reports before each
+    # decision (replicas that announce every choice to each other at once)
+    load_report_interval_s: float | None = None
 
     def __post_init__(self) -> None:
         if self.num_workers < 1:
             raise ValueError("num_workers must be >= 1")
+        if self.router_replicas < 1:
+            raise ValueError("router_replicas must be >= 1")
+        if self.load_report_interval_s is not None and self.load_report_interval_s < 0:
+            raise ValueError("load_report_interval_s must be >= 0 (0: before every decision)")
         if self.cache_tokens < BLOCK_TOKENS:
             raise ValueError(f"cache_tokens must hold at least one {BLOCK_TOKENS}-token block")
 
@@ -121,24 +133,16 @@ def route_query(spec: TraceRequest, request: Request, with_blocks: bool) -> Rout
     )
 
 
-class _Loads:
-    """The router's own accounting, as its load guards keep it."""
-
-    def __init__(self, worker_ids: Sequence[str]) -> None:
-        self.requests = dict.fromkeys(worker_ids, 0)
-        self.prefill_tokens = dict.fromkeys(worker_ids, 0)
-
-    def snapshot(self) -> list[WorkerLoad]:
-        return [WorkerLoad(w, n, self.prefill_tokens[w]) for w, n in self.requests.items()]
-
-
 class Simulation:
     def __init__(self, policy_name: str, config: SimConfig) -> None:
         self.policy_name = policy_name
         self.config = config
-        self.policy = build_policy(policy_name, config)
-        scheduler_config = SchedulerConfig(config.max_num_batched_tokens, config.max_num_seqs)
         ids = [f"w{i}" for i in range(config.num_workers)]
+        self.replicas = [
+            RouterReplica(build_policy(policy_name, config), ids)
+            for _ in range(config.router_replicas)
+        ]
+        scheduler_config = SchedulerConfig(config.max_num_batched_tokens, config.max_num_seqs)
         if policy_name == GLOBAL:
             shared = KVCacheManager(config.blocks_per_worker * config.num_workers, BLOCK_TOKENS)
             caches = [shared] * config.num_workers
@@ -149,12 +153,13 @@ class Simulation:
             for w, cache in zip(ids, caches, strict=True)
         }
         self._shared_cache = policy_name == GLOBAL
-        self._loads = _Loads(ids)
+        self._routed = 0
+        self._next_report = 0.0
         self._steps: list[tuple[float, int, str]] = []  # (end time, order, worker)
         self._order = 0
         self._arrivals: dict[str, float] = {}
         self._first_tokens: dict[str, float] = {}
-        self._served_by: dict[str, str] = {}
+        self._served_by: dict[str, tuple[str, RouterReplica]] = {}
         self.records: list[RequestRecord] = []
 
     def run(
@@ -198,16 +203,30 @@ class Simulation:
             namespace=_NAMESPACE,
             block_size=BLOCK_TOKENS,
         )
-        query = route_query(spec, request, self.policy.reads_prompt_blocks)
-        worker_id = self.policy.select(query, self._loads.snapshot(), now).worker_id
-        self._loads.requests[worker_id] += 1
-        self._loads.prefill_tokens[worker_id] += request.num_prompt_tokens
+        self._report_loads(now)
+        replica = self.replicas[self._routed % len(self.replicas)]
+        self._routed += 1
+        query = route_query(spec, request, replica.policy.reads_prompt_blocks)
+        worker_id = replica.policy.select(query, replica.snapshot(), now).worker_id
+        replica.adjust(worker_id, 1, request.num_prompt_tokens)
         self._arrivals[spec.request_id] = now
-        self._served_by[spec.request_id] = worker_id
+        self._served_by[spec.request_id] = (worker_id, replica)
         worker = self.workers[worker_id]
         worker.add(request)
         if worker.busy_until is None:
             self._start(worker, now, self._horizon(trace, next_arrival))
+
+    def _report_loads(self, now: float) -> None:
+        """Each worker reports what all replicas have in flight on it, every interval."""
+        interval = self.config.load_report_interval_s
+        if interval is None or len(self.replicas) == 1 or (interval and now < self._next_report):
+            return
+        self._next_report = now + interval
+        for worker_id in self.workers:
+            requests = sum(r.requests[worker_id] for r in self.replicas)
+            tokens = sum(r.prefill_tokens[worker_id] for r in self.replicas)
+            for replica in self.replicas:
+                replica.learn_report(worker_id, requests, tokens)
 
     def _start(self, worker: SimWorker, now: float, horizon: float) -> None:
         duration = worker.start_step(now, horizon)
@@ -221,11 +240,15 @@ class Simulation:
         result = worker.finish_step()
         for request in result.first_tokens:
             self._first_tokens[request.request_id] = now
-            self._loads.prefill_tokens[worker.worker_id] -= request.num_prompt_tokens
+            self._served_by[request.request_id][1].adjust(
+                worker.worker_id, 0, -request.num_prompt_tokens
+            )
         for request in result.finished:
             self._record(request, now)
         if not self._shared_cache:
-            self.policy.observe_events(worker.worker_id, worker.new_events())
+            events = worker.new_events()
+            for replica in self.replicas:
+                replica.policy.observe_events(worker.worker_id, events)
         horizon = self._horizon(trace, next_arrival)
         # With one shared cache a worker may have waited for blocks another one freed.
         waiting = self.workers.values() if self._shared_cache else (worker,)
@@ -235,11 +258,11 @@ class Simulation:
 
     def _record(self, request: Request, now: float) -> None:
         request_id = request.request_id
-        worker_id = self._served_by.pop(request_id)
+        worker_id, replica = self._served_by.pop(request_id)
         first = self._first_tokens.pop(request_id, None)
-        self._loads.requests[worker_id] -= 1
-        if first is None:  # rejected before running: its prompt never became a first token
-            self._loads.prefill_tokens[worker_id] -= request.num_prompt_tokens
+        # rejected before running: its prompt never became a first token
+        unreleased = request.num_prompt_tokens if first is None else 0
+        replica.adjust(worker_id, -1, -unreleased)
         self.records.append(
             RequestRecord(
                 arrival_s=self._arrivals.pop(request_id),

@@ -15,6 +15,7 @@ confirms them, so a request that failed or went elsewhere leaves nothing behind.
 from __future__ import annotations
 
 import heapq
+from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
@@ -28,16 +29,15 @@ SPECULATIVE_TIER = "device"  # where a routed request's blocks will be computed
 class WorkerMatch:
     """A worker's longest held prefix of a request's blocks, split by the tier it is in.
 
-    Each block counts in its fastest tier; ``speculative`` blocks are predicted from
-    recent routing (device tier once computed), not reported yet.
+    Each block counts in its fastest tier; a block predicted from recent routing, not
+    reported yet, counts in :data:`SPECULATIVE_TIER` (where it is being computed).
     """
 
     blocks_by_tier: dict[str, int]
-    speculative: int = 0
 
     @property
     def num_blocks(self) -> int:
-        return sum(self.blocks_by_tier.values()) + self.speculative
+        return sum(self.blocks_by_tier.values())
 
 
 class KVBlockIndex:
@@ -49,17 +49,39 @@ class KVBlockIndex:
     pause of the router's event loop; a dict of ints to ints is never tracked by the
     collector. Measured on 8 workers × 32,768 blocks: 534k tracked objects → 10k, a full
     collection 89 ms → 11 ms, a match of 375 blocks on 8 workers 0.19 ms → 0.05 ms.
+
+    A mask is as wide as the highest slot holding the block: 375 bytes at 1,000 workers
+    for a block on worker 999 alone, though most blocks have one holder. A block with
+    one (slot, tier) is stored as ``~bit_index`` instead (a negative int, 28 bytes);
+    :func:`_mask` widens it where a mask is needed.
+
+    ``max_entries`` bounds the (block, holder) entries: past it, the blocks least
+    recently stored or matched are forgotten, every holder at once, and counted in
+    ``evicted_entries``. A forgotten block only makes the index under-report a prefix
+    (its holders look colder than they are), never over-report one.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, max_entries: int | None = None) -> None:
+        if max_entries is not None and max_entries < 1:
+            raise ValueError("max_entries must be >= 1")
         self._slots: dict[str, int] = {}  # worker -> its bit group in the masks
+        self._slot_workers: list[str | None] = []  # slot -> worker (None: free)
         self._free_slots: list[int] = []  # of removed workers, all their bits cleared
+        self._first_bits = 0  # the lowest bit of every slot's group, for collapsing tiers
         self._holders: dict[int, int] = {}  # hash -> mask of (worker slot, tier) bits
         # (worker, tier) -> hashes, so that ``cleared`` and worker removal are O(held)
         self._held: dict[tuple[str, str], set[int]] = {}
         # worker -> hash -> deadline; the heap orders deadlines for cleanup
         self._speculative: dict[str, dict[int, float]] = {}
+        self._speculative_holders: dict[int, int] = {}  # hash -> first bits of its workers
         self._deadlines: list[tuple[float, str, int]] = []
+        self.num_entries = 0  # (block, worker, tier) bits set
+        self.evicted_entries = 0
+        self._max_entries = max_entries
+        # hash -> None, least recently stored or matched first (only under a budget)
+        self._recency: OrderedDict[int, None] | None = (
+            OrderedDict() if max_entries is not None else None
+        )
 
     # ---------------------------------------------------------------- what workers report
 
@@ -81,9 +103,12 @@ class KVBlockIndex:
         """Forget a worker that left the fleet, speculation included."""
         for tier in [t for w, t in self._held if w == worker_id]:
             self._clear(worker_id, tier)
-        self._speculative.pop(worker_id, None)
         slot = self._slots.pop(worker_id, None)
+        pending = self._speculative.pop(worker_id, {})
         if slot is not None:
+            for block_hash in pending:
+                self._drop_speculative_bit(block_hash, _bit(slot, "device"))
+            self._slot_workers[slot] = None
             self._free_slots.append(slot)
 
     def num_blocks(self, worker_id: str, tier: str = "device") -> int:
@@ -93,12 +118,18 @@ class KVBlockIndex:
         slot = self._slots.get(worker_id)
         if slot is None:
             return False
-        return bool(self._holders.get(block_hash, 0) & _bit(slot, tier))
+        return bool(_mask(self._holders.get(block_hash, 0)) & _bit(slot, tier))
 
     def _slot(self, worker_id: str) -> int:
         slot = self._slots.get(worker_id)
         if slot is None:
-            slot = self._free_slots.pop() if self._free_slots else len(self._slots)
+            if self._free_slots:
+                slot = self._free_slots.pop()
+                self._slot_workers[slot] = worker_id
+            else:
+                slot = len(self._slot_workers)
+                self._slot_workers.append(worker_id)
+                self._first_bits |= _bit(slot, "device")
             self._slots[worker_id] = slot
         return slot
 
@@ -109,11 +140,38 @@ class KVBlockIndex:
         holders = self._holders
         held = self._held.setdefault((worker_id, tier), set())
         pending = self._speculative.get(worker_id)
+        recency = self._recency
         for block_hash in block_hashes:
-            holders[block_hash] = holders.get(block_hash, 0) | bit
+            mask = _mask(holders.get(block_hash, 0))
+            if not mask & bit:
+                holders[block_hash] = _compact(mask | bit)
+                self.num_entries += 1
             held.add(block_hash)
-            if pending:
-                pending.pop(block_hash, None)  # confirmed: the event replaces the guess
+            if recency is not None:
+                recency[block_hash] = None
+                recency.move_to_end(block_hash)
+            if pending and pending.pop(block_hash, None) is not None:
+                # confirmed: the event replaces the guess
+                self._drop_speculative_bit(block_hash, _bit(self._slots[worker_id], "device"))
+        self._enforce_budget()
+
+    def _enforce_budget(self) -> None:
+        """Forget the least recently stored or matched blocks until within budget."""
+        if self._recency is None or self._max_entries is None:
+            return
+        while self.num_entries > self._max_entries and self._recency:
+            block_hash, _ = self._recency.popitem(last=False)
+            mask = _mask(self._holders.pop(block_hash, 0))
+            evicted = mask.bit_count()
+            self.num_entries -= evicted
+            self.evicted_entries += evicted
+            while mask:
+                low = mask & -mask
+                slot, tier = divmod(low.bit_length() - 1, len(TIERS))
+                worker_id = self._slot_workers[slot]
+                assert worker_id is not None, "a free slot holds no bits"
+                self._held[(worker_id, TIERS[tier])].discard(block_hash)
+                mask ^= low
 
     def _remove(self, worker_id: str, tier: str, block_hashes: Iterable[int]) -> None:
         held = self._held.get((worker_id, tier))
@@ -132,12 +190,22 @@ class KVBlockIndex:
             for block_hash in held:
                 self._drop_bit(block_hash, bit)
 
-    def _drop_bit(self, block_hash: int, bit: int) -> None:
-        mask = self._holders[block_hash] & ~bit
+    def _drop_speculative_bit(self, block_hash: int, bit: int) -> None:
+        mask = self._speculative_holders[block_hash] & ~bit
         if mask:
-            self._holders[block_hash] = mask
+            self._speculative_holders[block_hash] = mask
+        else:
+            del self._speculative_holders[block_hash]
+
+    def _drop_bit(self, block_hash: int, bit: int) -> None:
+        mask = _mask(self._holders[block_hash]) & ~bit
+        self.num_entries -= 1
+        if mask:
+            self._holders[block_hash] = _compact(mask)
         else:
             del self._holders[block_hash]
+            if self._recency is not None:
+                self._recency.pop(block_hash, None)
 
     # ---------------------------------------------------------------- speculation
 
@@ -145,9 +213,12 @@ class KVBlockIndex:
         """Predict that ``worker_id`` will hold these blocks; forgotten after ``deadline``
         unless a ``stored`` event confirms them first."""
         pending = self._speculative.setdefault(worker_id, {})
+        bit = _bit(self._slot(worker_id), "device")
+        speculative_holders = self._speculative_holders
         for block_hash in block_hashes:
             if not self.holds(worker_id, block_hash):
                 pending[block_hash] = deadline
+                speculative_holders[block_hash] = speculative_holders.get(block_hash, 0) | bit
                 heapq.heappush(self._deadlines, (deadline, worker_id, block_hash))
 
     def expire(self, now: float) -> int:
@@ -158,6 +229,7 @@ class KVBlockIndex:
             pending = self._speculative.get(worker_id)
             if pending is not None and pending.get(block_hash) == deadline:
                 del pending[block_hash]
+                self._drop_speculative_bit(block_hash, _bit(self._slots[worker_id], "device"))
                 dropped += 1
         return dropped
 
@@ -170,29 +242,92 @@ class KVBlockIndex:
         self, block_hashes: Sequence[int], worker_ids: Iterable[str], now: float
     ) -> dict[str, WorkerMatch]:
         """Each worker's longest prefix of ``block_hashes`` held in any tier (or predicted
-        by an unexpired speculative entry), as :class:`WorkerMatch`."""
+        by an unexpired speculative entry), as :class:`WorkerMatch`: one walk per worker,
+        the reference that :meth:`match_holders` must agree with."""
         self.expire(now)
+        return {w: self._walk(w, block_hashes, len(block_hashes)) for w in worker_ids}
+
+    def match_holders(self, block_hashes: Sequence[int], now: float) -> dict[str, WorkerMatch]:
+        """:meth:`match` for every worker whose match is not empty, in one walk of the
+        prompt whatever the fleet's size.
+
+        The walk carries the set of workers still matching as one int (a bit per worker);
+        a block narrows it with two mask operations, and the workers it drops have their
+        depth. A worker whose matched blocks are all on device (or speculative) is done
+        then; the few with a host or storage block in their prefix are walked once more
+        alone for the split by tier.
+        """
+        self.expire(now)
+        holders, speculative, first = self._holders, self._speculative_holders, self._first_bits
+        depths: dict[int, int] = {}  # slot -> matched blocks
+        alive = -1  # every slot, until the first block narrows it
+        off_device = 0  # slots with a block found in host or storage only
+        recency = self._recency
+        for depth, block_hash in enumerate(block_hashes):
+            mask = _mask(holders.get(block_hash, 0))
+            reported = (mask | mask >> 1 | mask >> 2) & first
+            here = reported | speculative.get(block_hash, 0)
+            dropped = alive & ~here if alive != -1 else 0
+            if dropped:
+                _record_depths(dropped, depth, depths)
+            alive &= here
+            if not alive:
+                break
+            if reported & ~mask:
+                off_device |= alive & reported & ~mask
+            if recency is not None and mask:
+                recency.move_to_end(block_hash)
+        else:
+            if alive not in (0, -1):
+                _record_depths(alive, len(block_hashes), depths)
         result: dict[str, WorkerMatch] = {}
-        for worker_id in worker_ids:
-            slot = self._slots.get(worker_id)
-            shift = 0 if slot is None else slot * len(TIERS)
-            pending = self._speculative.get(worker_id, {})
-            by_tier = dict.fromkeys(TIERS, 0)
-            speculative = 0
-            for block_hash in block_hashes:
-                tiers = 0 if slot is None else (self._holders.get(block_hash, 0) >> shift) & _TIERS
-                if tiers:
-                    by_tier[_FASTEST[tiers]] += 1
-                elif block_hash in pending:
-                    speculative += 1
-                else:
-                    break
-            result[worker_id] = WorkerMatch(by_tier, speculative)
+        for slot, depth in depths.items():
+            worker_id = self._slot_workers[slot]
+            assert worker_id is not None, "a free slot holds no bits"
+            if off_device >> (slot * len(TIERS)) & 1:
+                result[worker_id] = self._walk(worker_id, block_hashes, depth)
+            else:
+                result[worker_id] = WorkerMatch({"device": depth, "host": 0, "storage": 0})
         return result
+
+    def _walk(self, worker_id: str, block_hashes: Sequence[int], limit: int) -> WorkerMatch:
+        """``worker_id``'s match, block by block, among the first ``limit`` blocks."""
+        slot = self._slots.get(worker_id)
+        shift = 0 if slot is None else slot * len(TIERS)
+        pending = self._speculative.get(worker_id, {})
+        by_tier = dict.fromkeys(TIERS, 0)
+        for block_hash in block_hashes[:limit]:
+            mask = _mask(self._holders.get(block_hash, 0))
+            tiers = 0 if slot is None else (mask >> shift) & _TIERS
+            if tiers:
+                by_tier[_FASTEST[tiers]] += 1
+            elif block_hash in pending:
+                by_tier[SPECULATIVE_TIER] += 1
+            else:
+                break
+        return WorkerMatch(by_tier)
+
+
+def _record_depths(slots_bits: int, depth: int, depths: dict[int, int]) -> None:
+    """Note ``depth`` for every slot whose first bit is set in ``slots_bits``."""
+    while slots_bits:
+        low = slots_bits & -slots_bits
+        depths[(low.bit_length() - 1) // len(TIERS)] = depth
+        slots_bits ^= low
 
 
 _TIERS = (1 << len(TIERS)) - 1  # one worker's bits
 _FASTEST = tuple(TIERS[(m & -m).bit_length() - 1] if m else "" for m in range(_TIERS + 1))
+
+
+def _mask(stored: int) -> int:
+    """The holders' mask of a stored value (``~i``: the one bit ``i``)."""
+    return stored if stored >= 0 else 1 << ~stored
+
+
+def _compact(mask: int) -> int:
+    """What to store for ``mask`` (non-zero): one bit as ``~its_index``."""
+    return ~(mask.bit_length() - 1) if mask & (mask - 1) == 0 else mask
 
 
 def _bit(slot: int, tier: str) -> int:

@@ -75,5 +75,10 @@ class Policy(ABC):
     ) -> None:
         """What ``worker_id`` holds in ``tier`` now, replacing what its events said."""
 
+    def observe_load(self, load: WorkerLoad) -> None:  # noqa: B027 - most read loads in select
+        """The router's guards on ``load.worker_id`` now hold ``load``: called on every
+        change, so that a policy can keep workers ordered by load instead of scanning
+        ``select``'s loads (kv_aware)."""
+
     def forget_worker(self, worker_id: str) -> None:  # noqa: B027 - most keep no state
         """Drop what the policy learned about a worker that left the fleet."""

@@ -21,6 +21,9 @@ class WorkerLoad:
     # Reclaimable KV blocks (free + cached) over all, as a decode worker last reported
     # them: what a pair choice needs to avoid a decode worker that has no room left.
     kv_free_fraction: float = 1.0
+    # Prefill tokens other router replicas hold on the worker, as its last load report
+    # said (0 with one router): work queued there that this replica's guards miss.
+    others_prefill_tokens: int = 0
 
     @property
     def sort_key(self) -> tuple[int, int]:

@@ -85,6 +85,9 @@ class KvAwarePolicy(Policy):
     def observe_snapshot(self, worker_id: str, tier: str, block_hashes: Iterable[int]) -> None:
         self.routing.index.replace(worker_id, tier, block_hashes)
 
+    def observe_load(self, load: WorkerLoad) -> None:
+        self.routing.loads.update(load)
+
     def forget_worker(self, worker_id: str) -> None:
         self.routing.forget_worker(worker_id)
 

@@ -1,0 +1,262 @@
+"""Routing at fleet scale: decision time vs fleet size and prompt length, index memory.
+
+Side by side in one run, decisions alternating between the rules so that machine noise
+hits all alike:
+
+- ``cache_aware``: the policy over its approximate tree (the prompt as one character
+  per block, as the simulator builds it);
+- ``kv_aware``: the policy as it runs now (holders from one index walk, the lightest
+  loads from :class:`~kvserve.core.routing.load_order.LoadOrder`);
+- ``kv_aware exhaustive``: the reference rule, every worker matched and predicted
+  (:func:`~kvserve.core.routing.kv_aware.lowest_ttft`): what kv_aware did before.
+
+The fleet: each worker holds ``--blocks`` blocks of its own conversations, and a shared
+system prompt of 8 blocks is held by a tenth of the workers; each request extends one
+conversation (held by one worker) by a few blocks. Loads move as a router's guards would:
+the chosen worker takes one request and its prefill, a random worker releases one.
+Decision time is CPU time (``time.thread_time_ns``) of ``select`` alone.
+
+Index memory: bytes held per (block, holder) entry, measured with ``tracemalloc`` while
+the index is built, for one holder per block and for blocks held by many workers.
+
+With ``--sim-trace``: ``kvserve simulate``'s wall time for cache_aware and kv_aware on
+that trace at ``--sim-workers`` workers, arrivals compressed ``--sim-speedup`` times (the
+Mooncake trace at 10 workers ×1 scales to 1,000 workers ×100: the same load per worker).
+
+Run: ``python benchmarks/routing_scale.py [--workers 10,100,1000,10000]
+[--prompt-blocks 16,128] [--blocks 100] [--decisions 300]
+[--sim-trace ../shared/data/mooncake/conversation_trace.jsonl --sim-workers 1000
+--sim-speedup 100]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import gc
+import random
+import statistics
+import time
+import tracemalloc
+from collections.abc import Callable
+from pathlib import Path
+
+from kvserve.core.cost_model import profile as cost_profile
+from kvserve.core.kv_events import KVEvent
+from kvserve.core.routing.cache_aware import CacheAwareConfig
+from kvserve.core.routing.kv_aware import KvAwareConfig, lowest_ttft
+from kvserve.core.routing.kv_index import KVBlockIndex
+from kvserve.core.routing.policies.cache_aware import CacheAwarePolicy
+from kvserve.core.routing.policies.kv_aware import KvAwarePolicy
+from kvserve.core.routing.policy import Policy
+from kvserve.core.routing.types import PromptBlocks, RouteQuery, WorkerLoad
+from kvserve.sim.report import summarize
+from kvserve.sim.simulator import SimConfig, simulate
+from kvserve.sim.trace import load_trace
+
+BLOCK_TOKENS = 16
+SYSTEM_BLOCKS = 8
+SYSTEM = list(range(1, SYSTEM_BLOCKS + 1))
+FIRST_CHAR = 0x10000
+
+
+class Fleet:
+    """Conversations per worker, as hashes; a query extends one of them."""
+
+    def __init__(self, workers: int, blocks: int, prompt_blocks: int, seed: int) -> None:
+        self.rng = random.Random(seed)
+        self.ids = [f"w{i}" for i in range(workers)]
+        self.prompt_blocks = prompt_blocks
+        self.loads = {w: WorkerLoad(w) for w in self.ids}
+        # each worker: conversations of prompt_blocks - 2 blocks after the system prompt
+        per_conversation = max(1, prompt_blocks - SYSTEM_BLOCKS - 2)
+        self.conversations: dict[str, list[list[int]]] = {}
+        next_hash = 1000
+        for w in self.ids:
+            chains = []
+            for _ in range(max(1, blocks // per_conversation)):
+                chains.append(list(range(next_hash, next_hash + per_conversation)))
+                next_hash += per_conversation
+            self.conversations[w] = chains
+        self.system_holders = self.ids[:: max(1, workers // 10)]
+        self.next_hash = next_hash
+
+    def fill(self, policy: KvAwarePolicy) -> None:
+        for w in self.ids:
+            stored = [h for chain in self.conversations[w] for h in chain]
+            if w in self.system_holders:
+                stored += SYSTEM
+            policy.observe_events(w, [KVEvent(1, "stored", "device", tuple(stored), None)])
+        for load in self.loads.values():
+            policy.observe_load(load)
+
+    def query(self) -> RouteQuery:
+        owner = self.rng.choice(self.ids)
+        chain = self.rng.choice(self.conversations[owner])
+        fresh = list(range(self.next_hash, self.next_hash + 2))
+        self.next_hash += 2
+        hashes = [*SYSTEM, *chain, *fresh][: self.prompt_blocks]
+        tokens = len(hashes) * BLOCK_TOKENS + 5
+        return RouteQuery(
+            text="".join(chr(FIRST_CHAR + h % 0xE0000) for h in hashes),
+            model="m",
+            prefill_tokens=tokens,
+            blocks=PromptBlocks(tokens, hashes, BLOCK_TOKENS),
+        )
+
+    def move_loads(self, chosen: str, tokens: int, observe: Callable[[WorkerLoad], None]) -> None:
+        load = self.loads[chosen]
+        self.loads[chosen] = WorkerLoad(
+            chosen, load.in_flight_requests + 1, load.in_flight_prefill_tokens + tokens
+        )
+        observe(self.loads[chosen])
+        done = self.rng.choice(self.ids)
+        load = self.loads[done]
+        if load.in_flight_requests:
+            self.loads[done] = WorkerLoad(done, load.in_flight_requests - 1, 0)
+            observe(self.loads[done])
+
+
+def decision_times(
+    workers: int, prompt_blocks: int, blocks: int, decisions: int, seed: int
+) -> dict[str, list[float]]:
+    """Microseconds per decision for each rule, alternating."""
+    fleet = Fleet(workers, blocks, prompt_blocks, seed)
+    kv = KvAwarePolicy(KvAwareConfig())
+    fleet.fill(kv)
+    cache = CacheAwarePolicy(CacheAwareConfig(), 0.0)
+    for w in fleet.ids:  # the tree learns each worker's conversations as routed there
+        for chain in fleet.conversations[w]:
+            prefix = [*SYSTEM, *chain] if w in fleet.system_holders else chain
+            cache.index.tree("regular", "m").insert(
+                "".join(chr(FIRST_CHAR + h % 0xE0000) for h in prefix), w, 0.0
+            )
+    times: dict[str, list[float]] = {"cache_aware": [], "kv_aware": [], "kv_aware exhaustive": []}
+    gc.collect()
+    for n in range(decisions):
+        now = n * 0.01
+        query = fleet.query()
+        assert query.blocks is not None
+        loads = list(fleet.loads.values())
+
+        rules: list[tuple[str, Callable[[], str]]] = [
+            ("cache_aware", functools.partial(_select, cache, query, loads, now)),
+            ("kv_aware exhaustive", functools.partial(_exhaustive, kv, query, loads, now)),
+            ("kv_aware", functools.partial(_select, kv, query, loads, now)),
+        ]
+        if n % 2:
+            rules.reverse()
+        chosen = ""
+        for name, rule in rules:
+            started = time.thread_time_ns()
+            picked = rule()
+            times[name].append((time.thread_time_ns() - started) / 1e3)
+            if name == "kv_aware":
+                chosen = picked
+        fleet.move_loads(chosen, query.prefill_tokens, kv.observe_load)
+    return times
+
+
+def _select(policy: Policy, query: RouteQuery, loads: list[WorkerLoad], now: float) -> str:
+    return policy.select(query, loads, now).worker_id
+
+
+def _exhaustive(
+    policy: KvAwarePolicy, query: RouteQuery, loads: list[WorkerLoad], now: float
+) -> str:
+    """The reference rule over the same index and queue; it records nothing."""
+    assert query.blocks is not None
+    hashes, routing = query.blocks.reusable_hashes, policy.routing
+    ids = [w.worker_id for w in loads]
+    return lowest_ttft(
+        loads,
+        routing.index.match(hashes, ids, now),
+        {w: routing.queue.queued_s(w, now) for w in ids},
+        query.blocks.num_tokens,
+        BLOCK_TOKENS,
+        hashes[-1],
+        routing.config,
+    ).worker_id
+
+
+def index_bytes_per_entry(workers: int, blocks: int, holders: int) -> float:
+    """Bytes the index holds per (block, holder): ``blocks`` blocks per group of
+    ``holders`` workers, every worker of a group holding all its group's blocks."""
+    gc.collect()
+    tracemalloc.start()
+    before = tracemalloc.get_traced_memory()[0]
+    index = KVBlockIndex()
+    next_hash = 0
+    for group in range(0, workers, holders):
+        hashes = tuple(range(next_hash, next_hash + blocks))
+        next_hash += blocks
+        for w in range(group, min(group + holders, workers)):
+            index.apply(f"w{w}", KVEvent(1, "stored", "device", hashes, None))
+    used = tracemalloc.get_traced_memory()[0] - before
+    tracemalloc.stop()
+    entries = sum(index.num_blocks(f"w{w}") for w in range(workers))
+    return used / entries
+
+
+def simulator_wall(trace: Path, workers: int, speedup: float) -> None:
+    loaded = load_trace(trace, speedup=speedup)
+    cost = cost_profile("llama3-8b-h100")
+    config = SimConfig(
+        num_workers=workers,
+        cache_tokens=3_000_000,
+        cost=cost,
+        kv_aware=KvAwareConfig.from_cost_model(cost),
+    )
+    print(f"\n## simulator, {workers} workers, {loaded.name} x{speedup:g}\n")
+    print("| policy | wall (s) | hit rate | TTFT p50 (s) | p99 (s) |")
+    print("|---|---:|---:|---:|---:|")
+    for name in ("cache_aware", "kv_aware"):
+        summary = summarize(simulate(loaded.requests, name, config))
+        print(
+            f"| {name} | {summary.sim_wall_s:.1f} | {summary.hit_rate:.3f} | "
+            f"{summary.ttft_p50_s:.3f} | {summary.ttft_p99_s:.3f} |",
+            flush=True,
+        )
+
+
+def _percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--workers", default="10,100,1000,10000")
+    parser.add_argument("--prompt-blocks", default="16,128")
+    parser.add_argument("--blocks", type=int, default=100, help="indexed blocks per worker")
+    parser.add_argument("--decisions", type=int, default=300)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--sim-trace", type=Path)
+    parser.add_argument("--sim-workers", type=int, default=1000)
+    parser.add_argument("--sim-speedup", type=float, default=100.0)
+    args = parser.parse_args()
+    if args.sim_trace is not None:
+        simulator_wall(args.sim_trace, args.sim_workers, args.sim_speedup)
+        return
+    print("## decision time, µs of CPU (p50 / p99)\n")
+    print("| workers | prompt blocks | cache_aware | kv_aware | kv_aware exhaustive |")
+    print("|---:|---:|---:|---:|---:|")
+    for workers in (int(w) for w in args.workers.split(",")):
+        for prompt_blocks in (int(p) for p in args.prompt_blocks.split(",")):
+            times = decision_times(workers, prompt_blocks, args.blocks, args.decisions, args.seed)
+            cells = [
+                f"{statistics.median(t):.0f} / {_percentile(t, 0.99):.0f}"
+                for t in (times["cache_aware"], times["kv_aware"], times["kv_aware exhaustive"])
+            ]
+            print(f"| {workers} | {prompt_blocks} | {' | '.join(cells)} |", flush=True)
+    print("\n## kv_aware index memory, bytes per (block, holder)\n")
+    print("| workers | blocks per group | holders per block | bytes per entry |")
+    print("|---:|---:|---:|---:|")
+    for workers, holders in ((10, 1), (1000, 1), (1000, 10), (1000, 100)):
+        blocks = 20_000 // holders if holders > 1 else 200
+        per_entry = index_bytes_per_entry(workers, blocks, holders)
+        print(f"| {workers} | {blocks} | {holders} | {per_entry:.0f} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()

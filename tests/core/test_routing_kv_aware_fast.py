@@ -1,0 +1,159 @@
+"""kv_aware's fast decision (holders from one index walk, the lightest loads from an
+ordered structure) against the reference rule that predicts every worker, on generated
+fleets: the same smallest prediction always, the same worker unless equal predictions
+and loads leave a tie."""
+
+from __future__ import annotations
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvserve.core.kv_events import KVEvent
+from kvserve.core.routing.kv_aware import KvAwareConfig, KvAwareRouting, lowest_ttft, predict
+from kvserve.core.routing.kv_index import TIERS
+from kvserve.core.routing.types import WorkerLoad
+
+BLOCK = 16
+CONFIG = KvAwareConfig(
+    prefill_token_s=1e-4,
+    attention_pair_s=1e-8,
+    host_load_token_s=5e-5,
+    storage_load_token_s=2e-4,  # slower than computing: a storage hit can lose to a miss
+    decode_request_s=1e-3,
+    speculative_ttl_s=1.0,
+)
+PROMPT = list(range(1, 13))  # a 12-block chain; workers hold prefixes of it, or of others
+
+held = st.tuples(
+    st.integers(0, 12),  # how many of the prompt's first blocks
+    st.sampled_from(TIERS),
+    st.booleans(),  # or a chain that diverges after one block
+)
+worker = st.tuples(
+    st.integers(0, 4),  # in-flight requests
+    st.integers(0, 3000),  # guarded prefill tokens
+    st.lists(held, max_size=2),
+    st.one_of(st.none(), st.floats(0.0, 0.5)),  # a queued prefill pushed at time 0
+    st.integers(0, 12),  # speculative blocks of the prompt
+    st.sampled_from([0, 0, 800]),  # prefill tokens other router replicas reported
+)
+
+
+def build(
+    fleet: list[tuple[int, int, list[tuple[int, str, bool]], float | None, int, int]],
+) -> tuple[KvAwareRouting, list[WorkerLoad]]:
+    routing = KvAwareRouting(CONFIG)
+    loads = []
+    for i, (requests, tokens, holdings, queued, speculative, others) in enumerate(fleet):
+        worker_id = f"w{i}"
+        load = WorkerLoad(worker_id, requests, tokens if requests else 0, 1.0, others)
+        loads.append(load)
+        routing.loads.update(load)
+        for seq, (count, tier, diverges) in enumerate(holdings, start=1):
+            hashes = [PROMPT[0], 100 + i] if diverges else PROMPT[:count]
+            routing.index.apply(worker_id, KVEvent(seq, "stored", tier, tuple(hashes), None))
+        if queued is not None:
+            routing.queue.push(worker_id, queued, now=0.0)
+        routing.index.speculate(worker_id, PROMPT[:speculative], deadline=0.5)
+    return routing, loads
+
+
+@settings(max_examples=400, deadline=None)
+@given(
+    fleet=st.lists(worker, min_size=1, max_size=12),
+    prompt_blocks=st.integers(0, 12),
+    now=st.floats(0.0, 0.8),
+    eligible_mask=st.integers(1, 2**12 - 1),
+)
+def test_fast_rule_equals_the_exhaustive_one(
+    fleet: list[tuple[int, int, list[tuple[int, str, bool]], float | None, int, int]],
+    prompt_blocks: int,
+    now: float,
+    eligible_mask: int,
+) -> None:
+    routing, loads = build(fleet)
+    workers = [w for i, w in enumerate(loads) if eligible_mask >> i & 1] or loads[:1]
+    hashes = PROMPT[:prompt_blocks]
+    tokens = prompt_blocks * BLOCK + 7
+    ids = [w.worker_id for w in workers]
+    reference = lowest_ttft(
+        workers,
+        routing.index.match(hashes, ids, now),
+        {w: routing.queue.queued_s(w, now) for w in ids},
+        tokens,
+        BLOCK,
+        hashes[-1] if hashes else tokens,
+        CONFIG,
+    )
+    fast = routing.best(workers, hashes, tokens, BLOCK, now)
+
+    def rank(choice_ttft: float, load: WorkerLoad) -> tuple[float, tuple[int, int]]:
+        return (round(choice_ttft, 9), load.sort_key)
+
+    expected = rank(reference.prediction.ttft_s, reference.prediction.worker)
+    assert rank(fast.prediction.ttft_s, fast.prediction.worker) == expected
+    assert fast.reason == reference.reason
+    everyone = routing.index.match(hashes, ids, now)
+    predictions = [
+        predict(
+            w,
+            everyone[w.worker_id],
+            tokens,
+            BLOCK,
+            routing.queue.queued_s(w.worker_id, now),
+            CONFIG,
+        )
+        for w in workers
+    ]
+    tied = [p for p in predictions if rank(p.ttft_s, p.worker) == expected]
+    if len(tied) == 1:
+        assert fast.worker_id == reference.worker_id
+        assert fast.prediction == reference.prediction
+
+
+def test_holders_found_in_one_walk_equal_each_workers_walk() -> None:
+    routing, _ = build(
+        [
+            (0, 0, [(12, "device", False)], None, 0, 0),
+            (0, 0, [(5, "host", False), (3, "device", False)], None, 9, 0),
+            (0, 0, [(2, "storage", True)], None, 0, 0),
+            (0, 0, [], None, 4, 0),
+            (0, 0, [], None, 0, 0),
+        ]
+    )
+    everyone = routing.index.match(PROMPT, [f"w{i}" for i in range(5)], now=0.0)
+    holders = routing.index.match_holders(PROMPT, now=0.0)
+    assert holders == {w: m for w, m in everyone.items() if m.num_blocks}
+    assert set(holders) == {"w0", "w1", "w2", "w3"}
+
+
+def test_an_idle_fleet_spreads_its_misses_over_all_of_it() -> None:
+    routing = KvAwareRouting(CONFIG)
+    workers = [WorkerLoad(f"w{i}") for i in range(50)]
+    chosen = {routing.best(workers, [p], BLOCK + 1, BLOCK, 0.0).worker_id for p in range(400)}
+    assert len(chosen) > 40
+
+
+def test_a_worker_learnt_from_select_then_follows_load_changes() -> None:
+    routing = KvAwareRouting(CONFIG)
+    idle = [WorkerLoad("w0"), WorkerLoad("w1")]
+    routing.best(idle, [], 10, BLOCK, 0.0)
+    busy_w0 = WorkerLoad("w0", 3, 500)
+    routing.loads.update(busy_w0)
+    for prompt in range(20):
+        choice = routing.best([busy_w0, WorkerLoad("w1")], [prompt], BLOCK + 1, BLOCK, 0.0)
+        assert choice.worker_id == "w1"
+
+
+def test_the_lightest_queue_is_found_behind_a_drained_worker_further_in_both_orders() -> None:
+    """At 0.5 s, c's queue is drained and its one request is the lightest term; it is
+    second by requests (behind a, none in flight but queued to 0.9 s) and second by queue end
+    (behind b, drained earlier but with 3 requests): one step in each order is not
+    enough. Guards are heavy everywhere, so they do not cap the queue terms."""
+    routing = KvAwareRouting(CONFIG)
+    loads = [WorkerLoad("a", 0, 9000), WorkerLoad("b", 3, 9000), WorkerLoad("c", 1, 9000)]
+    for load in loads:
+        routing.loads.update(load)
+    routing.queue.push("a", 0.9, now=0.0)
+    routing.queue.push("c", 0.45, now=0.0)
+    assert routing.best(loads, [], 10, BLOCK, now=0.5).worker_id == "c"
