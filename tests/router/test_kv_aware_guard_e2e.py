@@ -101,3 +101,35 @@ def test_a_client_leaving_during_tokenization_leaves_nothing_held(router: Server
     assert total(router, DECISIONS, "reason") == decisions + 1  # the abandoned one: never routed
     assert total(router, REQUESTS_GAUGE) == 0
     assert total(router, PREFILL_GAUGE) == 0
+
+
+def stream_chat(router: ServerProcess, model: str, text: str) -> list[str]:
+    """The SSE data lines of a streamed chat answer, in order."""
+    body = {"model": model, "messages": [{"role": "user", "content": text}], "max_tokens": 2}
+    with httpx.stream(
+        "POST", router.url + "/v1/chat/completions", json={**body, "stream": True}, timeout=60
+    ) as response:
+        assert response.status_code == 200
+        return [line for line in response.iter_lines() if line.startswith("data:")]
+
+
+def test_a_chat_stream_holds_its_prefill_load_until_the_prompt_is_computed(
+    router: ServerProcess,
+) -> None:
+    """The role chunk once went out before prefill started, and the router, which lets go
+    of prefill load at a stream's first byte, released it while the worker still prefilled."""
+    model = httpx.get(router.url + "/v1/models", timeout=10).json()["data"][0]["id"]
+    (worker,) = httpx.get(router.url + "/workers", timeout=10).json()["workers"]
+    text = " ".join(f"fresh{i} words about the sea" for i in range(60))
+    with ThreadPoolExecutor(1) as pool:
+        pending = pool.submit(stream_chat, router, model, text)
+        first_held_value(router, within_s=30)
+        while held_prefill_tokens(router) > 0 and not pending.done():
+            time.sleep(0.002)
+        # Released: by then the worker must have computed the prompt (nothing left to
+        # prefill), unless the whole answer is already over.
+        worker_load = httpx.get(worker["url"] + "/load", timeout=10).json()
+        lines = pending.result()
+    assert worker_load["prefill_tokens"] == 0, worker_load
+    assert '"role":"assistant"' in lines[0] and lines[-1] == "data: [DONE]"
+    assert any('"content":"' in line and '"content":""' not in line for line in lines[1:])

@@ -112,13 +112,19 @@ class Generation:
         return JSONResponse(body)
 
     async def _events(self, outputs: OutputStream, include_usage: bool) -> AsyncIterator[bytes]:
-        """Server-sent events; a cancelled iteration (client gone) aborts the request."""
+        """Server-sent events; a cancelled iteration (client gone) aborts the request.
+
+        A chat stream's role chunk goes out with the first output, not before: the first
+        byte of a stream then means the prompt is computed, which is when a router lets go
+        of the prefill load it holds for the request (sent at once, it would be released
+        before prefill even started)."""
         try:
             opening = self.fmt.opening_choice()
-            if opening is not None:
-                yield self._sse([opening], include_usage)
             last = None
             async for output in outputs:
+                if opening is not None:
+                    yield self._sse([opening], include_usage)
+                    opening = None
                 self.timer.on_output(output)
                 last = output
                 finish = output.finish_reason if output.finished else None
