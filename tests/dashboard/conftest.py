@@ -13,7 +13,7 @@ import pytest
 from kvserve.router.local_fleet import ServerProcess
 from tests.support.ports import free_port
 from tests.support.processes import start_router
-from tests.worker.worker_process import start_worker
+from tests.worker.worker_process import API_KEY, start_worker
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")  # two cores are shared by every test process
 
@@ -36,7 +36,14 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
     try:
         for _ in range(2):
             workers.append(start_worker(model_dir, "--host-cache-blocks", str(HOST_CACHE_BLOCKS)))
-        options = ["--admin-api-key", ADMIN_KEY, "--policy", "cache_aware"]
+        options = [
+            "--admin-api-key",
+            ADMIN_KEY,
+            "--policy",
+            "cache_aware",
+            "--worker-api-key",
+            API_KEY,
+        ]
         with start_router([w.url for w in workers], free_port(), *options) as router:
             yield Fleet(router, workers)
     finally:

@@ -120,8 +120,8 @@ def _expected(fleet: Fleet) -> dict[str, str]:
     totals = {"used": 0.0, "cached": 0.0, "total": 0.0, "hit": 0.0, "queried": 0.0}
     for index, worker in enumerate(fleet.workers):
         wid = f"w{index}"
-        engine = {name: value for (name, labels), value in samples(worker.url + "/metrics").items()
-                  if not labels}  # fmt: skip
+        exposed = samples(worker.url + "/metrics", AUTH)
+        engine = {name: value for (name, labels), value in exposed.items() if not labels}
         hit = engine["kvserve_prefix_cache_hit_tokens_total"]
         queried = engine["kvserve_prefix_cache_queried_tokens_total"]
         assert engine["kvserve_kv_tier_host_capacity_blocks"] == HOST_CACHE_BLOCKS

@@ -28,11 +28,12 @@ _SUFFIXES = {
 }
 
 
-def exposed_series(url: str) -> set[str]:
+def exposed_series(url: str, headers: dict[str, str] | None = None) -> set[str]:
     """Every series name ``url`` (a /metrics) declares, sampled yet or not: a labelled
     counter such as errors has no sample until the first error, but Prometheus will
     have it then."""
-    with urllib.request.urlopen(url, timeout=5) as response:
+    request = urllib.request.Request(url, headers=headers or {})
+    with urllib.request.urlopen(request, timeout=5) as response:
         text = response.read().decode()
     return {
         family.name + suffix
@@ -71,7 +72,7 @@ def test_every_metric_the_grafana_dashboard_queries_exists(fleet: Fleet) -> None
     assert response.status_code == 200, response.text
     exposed = exposed_series(fleet.router.url + "/metrics")
     for worker in fleet.workers:
-        exposed |= exposed_series(worker.url + "/metrics")
+        exposed |= exposed_series(worker.url + "/metrics", AUTH)
 
     expressions = panel_expressions()
     assert len(expressions) >= 15

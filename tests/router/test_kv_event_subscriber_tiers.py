@@ -26,6 +26,7 @@ from tests.worker.test_kv_events_tiers import (
     tiered_worker,
     wait_for_storage,
 )
+from tests.worker.worker_process import AUTH
 
 STALE_HOST_BLOCK = 12345  # held by nothing the worker reports
 
@@ -46,7 +47,7 @@ async def test_resync_fills_every_tier_and_drops_stale_ones(
         first = stored_hashes(await asyncio.to_thread(events_of, worker), "device")
         await asyncio.to_thread(complete, worker, SECOND)
         await asyncio.to_thread(wait_for_storage, worker, 24)
-        snapshot = httpx.get(f"{worker.url}/kv/snapshot").json()
+        snapshot = httpx.get(f"{worker.url}/kv/snapshot", headers=AUTH).json()
         evicted = set(first) - {h for h, _ in snapshot["blocks"]}
         assert evicted, "the second prompt must evict the first from device"
 
@@ -56,7 +57,7 @@ async def test_resync_fills_every_tier_and_drops_stale_ones(
         index = policy.routing.index
         # What an earlier process of this worker held: the snapshot must replace it.
         policy.observe_events(worker_id, [KVEvent(1, "stored", "host", (STALE_HOST_BLOCK,))])
-        async with aiohttp.ClientSession() as session:
+        async with aiohttp.ClientSession(headers=AUTH) as session:
             subscriber = KVEventSubscriber(policy, registry, session, poll_timeout_s=1.0)
             following = asyncio.create_task(subscriber.run_forever())
             try:

@@ -258,3 +258,23 @@ def test_kv_aware_fleet_hashes_prompts_then_sigkill_of_up_stops_its_children(
                 time.sleep(0.1)
     finally:
         up.stop()
+
+
+def test_api_key_guards_the_router_and_the_workers_and_the_router_sends_it(
+    cache_dir: Path,
+) -> None:
+    key = "up-key"
+    up = start_up(cache_dir, "--api-key", key, "--workers", "1", "--runner", "sim")
+    try:
+        assert f"-H 'Authorization: Bearer {key}'" in up.log_tail()  # the curl works as printed
+        auth = {"Authorization": f"Bearer {key}"}
+        body = {"model": "tiny-llama", "prompt": "Hello", "max_tokens": 2}
+        assert httpx.post(up.url + "/v1/completions", json=body, timeout=60).status_code == 401
+        served = httpx.post(up.url + "/v1/completions", json=body, headers=auth, timeout=60)
+        assert served.status_code == 200, served.text
+        listed = httpx.get(up.url + "/workers", headers=auth, timeout=10).json()["workers"]
+        worker_url = listed[0]["url"]
+        assert httpx.get(worker_url + "/load", timeout=10).status_code == 401
+        assert httpx.get(worker_url + "/load", headers=auth, timeout=10).status_code == 200
+    finally:
+        up.stop()

@@ -9,9 +9,12 @@ _SAMPLE = re.compile(r"^(\w+)(?:\{([^}]*)\})? (\S+)$")
 _LABEL = re.compile(r'(\w+)="([^"]*)"')
 
 
-def samples(url: str) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
+def samples(
+    url: str, headers: dict[str, str] | None = None
+) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
     """Every sample at ``url`` (a /metrics endpoint): (name, labels) -> value."""
-    with urllib.request.urlopen(url, timeout=5.0) as response:
+    request = urllib.request.Request(url, headers=headers or {})
+    with urllib.request.urlopen(request, timeout=5.0) as response:
         text = response.read().decode()
     found = {}
     for line in text.splitlines():

@@ -62,14 +62,14 @@ def assert_every_block_free_or_cached(worker: ServerProcess) -> None:
     assert idle["running"] == 0
     assert idle["waiting"] == 0
     assert idle["free_blocks"] + idle["cached_blocks"] == idle["total_blocks"]
-    assert httpx.get(f"{worker.url}/debug/check").json() == {"ok": True}
+    assert httpx.get(f"{worker.url}/debug/check", headers=AUTH).json() == {"ok": True}
 
 
 def test_fifty_streaming_clients_cut_off_free_every_block(worker: ServerProcess) -> None:
     received = asyncio.run(run_clients(worker, served_model(worker)))
     assert received == [CHUNKS_BEFORE_HANGING_UP] * NUM_CLIENTS
     assert_every_block_free_or_cached(worker)
-    metrics = httpx.get(f"{worker.url}/metrics").text
+    metrics = httpx.get(f"{worker.url}/metrics", headers=AUTH).text
     assert f'kvserve_requests_total{{finish_reason="abort"}} {NUM_CLIENTS:.1f}' in metrics
 
 

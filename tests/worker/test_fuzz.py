@@ -47,7 +47,7 @@ def test_no_generated_request_gets_a_server_error(
     worker: ServerProcess, mode: GenerationMode
 ) -> None:
     model = served_model(worker)
-    schema = schemathesis.openapi.from_url(f"{worker.url}/openapi.json")
+    schema = schemathesis.openapi.from_url(f"{worker.url}/openapi.json", headers=AUTH)
     operations = [result.ok() for result in schema.get_all_operations()]
     if mode is GenerationMode.NEGATIVE:  # an operation without input has no invalid form
         operations = [op for op in operations if op.query or op.body]

@@ -12,7 +12,7 @@ import pytest
 
 from kvserve.router.local_fleet import ServerProcess
 from tests.worker.test_kv_events import complete, replay
-from tests.worker.worker_process import start_worker
+from tests.worker.worker_process import AUTH, start_worker
 
 # 12 full blocks each; a device pool of 16 blocks cannot hold both.
 FIRST = [(13 * i) % 900 + 5 for i in range(193)]
@@ -46,7 +46,7 @@ def wait_for_storage(worker: ServerProcess, num_blocks: int) -> None:
 
 
 def events_of(worker: ServerProcess) -> list[dict]:
-    return httpx.get(f"{worker.url}/kv/events").json()["events"]
+    return httpx.get(f"{worker.url}/kv/events", headers=AUTH).json()["events"]
 
 
 @pytest.fixture(scope="module")
@@ -63,8 +63,8 @@ def test_snapshot_lists_blocks_evicted_into_host(worker: ServerProcess) -> None:
     first = stored_hashes(events_of(worker), "device")
     complete(worker, SECOND)
     wait_for_storage(worker, 24)
-    snapshot = httpx.get(f"{worker.url}/kv/snapshot").json()
-    events = httpx.get(f"{worker.url}/kv/events").json()
+    snapshot = httpx.get(f"{worker.url}/kv/snapshot", headers=AUTH).json()
+    events = httpx.get(f"{worker.url}/kv/events", headers=AUTH).json()
     assert snapshot["last_seq"] == events["last_seq"]
 
     device = {h for h, _ in snapshot["blocks"]}
@@ -81,7 +81,7 @@ def test_snapshot_lists_blocks_evicted_into_host(worker: ServerProcess) -> None:
 
 
 def test_host_snapshot_lists_parents_first(worker: ServerProcess) -> None:
-    snapshot = httpx.get(f"{worker.url}/kv/snapshot").json()
+    snapshot = httpx.get(f"{worker.url}/kv/snapshot", headers=AUTH).json()
     seen: set[int | None] = {None}
     for block_hash, parent in snapshot["tiers"]["host"]:
         assert parent in seen
@@ -92,6 +92,6 @@ def test_host_snapshot_lists_parents_first(worker: ServerProcess) -> None:
 def test_a_worker_without_lower_tiers_lists_none(tiny_model_dir: Path) -> None:
     server = start_worker(tiny_model_dir)
     try:
-        assert httpx.get(f"{server.url}/kv/snapshot").json()["tiers"] == {}
+        assert httpx.get(f"{server.url}/kv/snapshot", headers=AUTH).json()["tiers"] == {}
     finally:
         assert server.stop(timeout_s=30) == 0, server.log_tail()

@@ -11,7 +11,7 @@ from typing import Any
 import httpx
 
 from kvserve.router.local_fleet import ServerProcess
-from tests.worker.worker_process import BLOCK_SIZE, api, start_worker
+from tests.worker.worker_process import AUTH, BLOCK_SIZE, api, start_worker
 
 
 def sample(metrics: str, name: str) -> float:
@@ -21,14 +21,14 @@ def sample(metrics: str, name: str) -> float:
 
 
 def test_metrics_count_requests_tokens_and_cache_hits(worker: ServerProcess) -> None:
-    before = httpx.get(f"{worker.url}/metrics").text
+    before = httpx.get(f"{worker.url}/metrics", headers=AUTH).text
     prompt = [40 + i % 30 for i in range(64)]
     with api(worker) as client:
         model = client.get("/v1/models").json()["data"][0]["id"]
         for _ in range(2):
             body = {"model": model, "prompt": prompt, "max_tokens": 3, "ignore_eos": True}
             assert client.post("/v1/completions", json=body).status_code == 200
-    after = httpx.get(f"{worker.url}/metrics").text
+    after = httpx.get(f"{worker.url}/metrics", headers=AUTH).text
 
     def grew(name: str) -> float:
         return sample(after, name) - sample(before, name)
@@ -63,7 +63,7 @@ def test_prefix_cache_metrics_count_each_request_once_as_its_usage_reports(
     long_running = [500 + i for i in range(4 * BLOCK_SIZE)]
     waiting = [*shared, *(700 + i for i in range(2 * BLOCK_SIZE + 8))]  # needs 3 new blocks
     try:
-        before = httpx.get(f"{worker.url}/metrics").text
+        before = httpx.get(f"{worker.url}/metrics", headers=AUTH).text
         with api(worker) as client, ThreadPoolExecutor(1) as pool:
             model = client.get("/v1/models").json()["data"][0]["id"]
 
@@ -88,7 +88,7 @@ def test_prefix_cache_metrics_count_each_request_once_as_its_usage_reports(
                 waiter = pool.submit(usage, waiting)
                 last = [first, *events][-1]
             usages += [json.loads(last.removeprefix("data: "))["usage"], waiter.result()]
-        after = httpx.get(f"{worker.url}/metrics").text
+        after = httpx.get(f"{worker.url}/metrics", headers=AUTH).text
     finally:
         assert worker.stop(timeout_s=30) == 0, worker.log_tail()
 

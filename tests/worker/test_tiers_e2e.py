@@ -77,8 +77,8 @@ def test_worker_b_loads_what_worker_a_stored(
         text, cached = _complete(worker_b.url, model, SECOND)
         assert text and (text, cached) == (_cold_text(tiny_model_dir, SECOND), 192)
         for worker in (worker_a, worker_b):
-            assert httpx.get(f"{worker.url}/debug/check").status_code == 200
-        metrics = samples(f"{worker_b.url}/metrics")
+            assert httpx.get(f"{worker.url}/debug/check", headers=AUTH).status_code == 200
+        metrics = samples(f"{worker_b.url}/metrics", AUTH)
         assert metrics[("kvserve_kv_tier_storage_hit_tokens_total", frozenset())] == 192
         assert metrics[("kvserve_kv_tier_host_capacity_blocks", frozenset())] == 64
     finally:

@@ -43,4 +43,4 @@ def served_model(worker: ServerProcess) -> str:
 
 
 def load(worker: ServerProcess) -> dict[str, Any]:
-    return httpx.get(f"{worker.url}/load").json()
+    return httpx.get(f"{worker.url}/load", headers=AUTH).json()

@@ -69,6 +69,13 @@ def register(app: typer.Typer) -> None:
                 "With neither, /workers answers loopback clients only."
             ),
         ] = None,
+        worker_api_key: Annotated[
+            str | None,
+            typer.Option(
+                help="Sent as 'Authorization: Bearer KEY' on every request to a worker "
+                "(the workers' --api-key; one fleet shares one key)."
+            ),
+        ] = None,
         cache_threshold: Annotated[
             float, _tuning("cache_aware: matched fraction above which the match wins.")
         ] = 0.3,
@@ -118,6 +125,7 @@ def register(app: typer.Typer) -> None:
                 port=port,
                 api_key=api_key,
                 admin_api_key=admin_api_key,
+                worker_api_key=worker_api_key,
                 cache_aware=CacheAwareConfig(
                     cache_threshold=cache_threshold,
                     balance_abs_threshold=balance_abs_threshold,

@@ -72,6 +72,11 @@ def _worker_args(**settings: object) -> list[str]:
     return args
 
 
+def _auth_header(api_key: str | None) -> str:
+    """The printed curl's key, so that it works as printed."""
+    return "" if api_key is None else f" -H 'Authorization: Bearer {api_key}'"
+
+
 def register(app: typer.Typer) -> None:
     @app.command()
     def up(
@@ -114,6 +119,13 @@ def register(app: typer.Typer) -> None:
         kv_transfer: Annotated[
             str, typer.Option(help="PD mode: how KV blocks travel: tcp (built-in) | mooncake.")
         ] = "tcp",
+        api_key: Annotated[
+            str | None,
+            typer.Option(
+                help="Require 'Authorization: Bearer KEY' from the router's clients; the "
+                "workers require it too (--api-key) and the router sends it (--worker-api-key)."
+            ),
+        ] = None,
     ) -> None:
         """Start workers and a router on this machine; Ctrl-C stops everything."""
         from kvserve.router.local_fleet import LocalFleet, StartError, port_taken
@@ -156,6 +168,7 @@ def register(app: typer.Typer) -> None:
                 sim_profile=sim_profile,
             ),
             kv_transfer=kv_transfer,
+            api_key=api_key,
         )
         if decode:
             workers = prefill + decode
@@ -174,6 +187,7 @@ def register(app: typer.Typer) -> None:
                 f"\nkvserve is up: {fleet.url}/v1  ({workers} workers, policy {policy})\n"
                 f"dashboard: {fleet.url}/dashboard\n"
                 f"try:\n  curl {fleet.url}/v1/chat/completions -H 'Content-Type: application/json'"
+                f"{_auth_header(api_key)}"
                 f' -d \'{{"model": "{model_dir.name}", "messages": [{{"role": "user",'
                 f' "content": "Hello!"}}], "max_tokens": 16}}\'\n'
                 "Ctrl-C to stop.",

@@ -27,8 +27,15 @@ def register(app: typer.Typer) -> None:
             int, typer.Option(help="Token budget of one engine step.")
         ] = 512,
         api_key: Annotated[
-            str | None, typer.Option(help="Require 'Authorization: Bearer KEY' on /v1.")
+            str | None,
+            typer.Option(
+                help="Require 'Authorization: Bearer KEY' on every route but /health "
+                "(workers of one fleet share one key: PD peers send it to each other)."
+            ),
         ] = None,
+        metrics_without_key: Annotated[
+            bool, typer.Option(help="With --api-key, leave /metrics open (for a scraper).")
+        ] = False,
         worker_id: Annotated[
             str | None, typer.Option(help="Id in x-kvserve-worker (default host:port).")
         ] = None,
@@ -145,6 +152,7 @@ def register(app: typer.Typer) -> None:
                 kv_cache_memory=kv_cache_memory,
                 max_num_batched_tokens=max_num_batched_tokens,
                 api_key=api_key,
+                metrics_without_key=metrics_without_key,
                 worker_id=worker_id,
                 model_name=served_model_name,
                 shutdown_timeout_s=shutdown_timeout,

@@ -68,7 +68,10 @@ class Router:
     async def lifecycle(self, _app: web.Application) -> AsyncIterator[None]:
         """Open the pooled session, check every worker once, then keep checking."""
         connector = aiohttp.TCPConnector(limit=0)  # the fleet, not the pool, bounds load
-        async with aiohttp.ClientSession(connector=connector) as session:
+        # The fleet's key goes on every request to a worker: proxied, health, load, KV
+        # events, the dashboard's /metrics scrape.
+        headers = self.config.worker_headers()
+        async with aiohttp.ClientSession(connector=connector, headers=headers) as session:
             self._session = session
             proxy_args = (self.config, self.registry, self.tracker, self.policy, self.metrics)
             if self.config.pd_mode:

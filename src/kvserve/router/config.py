@@ -54,6 +54,7 @@ class RouterConfig:
     port: int = 8000
     api_key: str | None = None  # required from clients on /v1/* when set
     admin_api_key: str | None = None  # required on /workers; falls back to api_key
+    worker_api_key: str | None = None  # sent on every request to a worker (their --api-key)
     cache_aware: CacheAwareConfig = field(default_factory=CacheAwareConfig)
     kv_aware: KvAwareConfig = field(default_factory=KvAwareConfig)
     tokenizer: str | None = None  # kv_aware: model folder (default: the workers' model)
@@ -90,3 +91,9 @@ class RouterConfig:
             kv_aware=self.kv_aware,
             session_virtual_nodes=self.session_virtual_nodes,
         )
+
+    def worker_headers(self) -> dict[str, str]:
+        """Headers on every request to a worker: the fleet's key when it has one."""
+        if self.worker_api_key is None:
+            return {}
+        return {"Authorization": f"Bearer {self.worker_api_key}"}

@@ -178,6 +178,7 @@ class LocalFleet:
         decode: int = 0,
         worker_args: Sequence[str] = (),
         kv_transfer: str = "tcp",
+        api_key: str | None = None,
     ) -> None:
         if prefill and not decode:
             raise ValueError("prefill workers need decode workers")
@@ -190,6 +191,7 @@ class LocalFleet:
         self._workers = len(self._roles)
         self._policy = policy
         self._kv_transfer = kv_transfer  # PD workers' --kv-transfer
+        self._api_key = api_key  # one key for the router's clients, the router and the workers
         self._host = host
         self._port = port
         self.log_dir = log_dir
@@ -210,6 +212,8 @@ class LocalFleet:
                 args = [*KVSERVE_COMMAND, "worker", "--model", str(self._model_dir)]
                 args += ["--host", "127.0.0.1", "--port", str(port), "--role", role]
                 args += self._worker_args
+                if self._api_key is not None:
+                    args += ["--api-key", self._api_key]
                 if role != "mixed":
                     args += ["--kv-transfer", self._kv_transfer]
                 workers.append(self._spawn(f"worker{index}", args, f"http://127.0.0.1:{port}", env))
@@ -217,6 +221,8 @@ class LocalFleet:
                 worker.wait_healthy(timeout_s)
             args = [*KVSERVE_COMMAND, "router", "--policy", self._policy, "--host", self._host]
             args += ["--port", str(self._port)]
+            if self._api_key is not None:
+                args += ["--api-key", self._api_key, "--worker-api-key", self._api_key]
             if self._policy == "kv_aware":  # workers serve a model name, not the folder
                 args += ["--tokenizer", str(self._model_dir)]
             for worker, role in zip(workers, self._roles, strict=True):

@@ -156,6 +156,9 @@ class Proxy:
                 url, data=raw, headers=headers, timeout=self._timeout
             ) as upstream:
                 attempt.headers |= self._served_by(decision, upstream)
+                if upstream.status == 401 and not self._passes_client_key:
+                    await upstream.read()
+                    return self._worker_refused_key(attempt)
                 if upstream.status in RETRYABLE_STATUSES:
                     self._record_failure(worker, f"status_{upstream.status}")
                     payload = await upstream.read()
@@ -272,6 +275,26 @@ class Proxy:
             if reported_cached is not None:
                 self._metrics.reported_cached_tokens.labels(worker_id).inc(reported_cached)
 
+    @property
+    def _passes_client_key(self) -> bool:
+        """A router with no keys of its own forwards the client's: the backend checks it."""
+        return self._config.api_key is None and self._config.worker_api_key is None
+
+    def _worker_refused_key(self, attempt: _Attempt) -> web.Response:
+        """A 502 naming the router's configuration: the client's key was fine (or not
+        needed), so the worker's 401 must not reach the client as if it were theirs. Not
+        a worker failure either (the worker is healthy): its breaker stays as it is."""
+        self._metrics.errors.labels(attempt.worker.worker_id, "worker_refused_key").inc()
+        have = "its --worker-api-key" if self._config.worker_api_key else "no --worker-api-key"
+        return openai_error(
+            502,
+            f"worker {attempt.worker.worker_id} refused the router's request ({have}):"
+            " the router's --worker-api-key must be the workers' --api-key",
+            error_type="upstream_error",
+            code="worker_refused_key",
+            headers=attempt.headers,
+        )
+
     def _record_failure(self, worker: Worker, kind: str) -> None:
         self._metrics.errors.labels(worker.worker_id, kind).inc()
         worker.breaker.record_failure(self._clock())
@@ -285,9 +308,9 @@ class Proxy:
         """The body parsed as JSON, so say so even when the client did not (``curl -d``)."""
         present = (k for k in _FORWARDED_REQUEST_HEADERS if k in request.headers)
         headers = {"Content-Type": "application/json"} | {k: request.headers[k] for k in present}
-        if self._config.api_key is None and "Authorization" in request.headers:
+        if self._passes_client_key and "Authorization" in request.headers:
             headers["Authorization"] = request.headers["Authorization"]  # the backend's key
-        return headers
+        return headers  # else the session sends --worker-api-key, if any
 
 
 def guarded_prefill_tokens(query: RouteQuery, decision: RoutingDecision) -> int:

@@ -4,10 +4,10 @@ The engine is built before the app (loading weights can take long and can fail; 
 should happen before the port opens); the app's lifespan starts and stops the engine
 thread around serving.
 
-Every request passes through a few plain ASGI layers (worker header, body limit, the
-generation routes) before FastAPI's own middleware stack and router, which only the
-other routes reach: FastAPI's layers cost more per request than the worker's own work
-for a short generation.
+Every request passes through a few plain ASGI layers (worker header, API key, body
+limit, the generation routes) before FastAPI's own middleware stack and router, which
+only the other routes reach: FastAPI's layers cost more per request than the worker's
+own work for a short generation.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from starlette.responses import Response
 from starlette.types import ASGIApp
 
 from kvserve.core.invariants import InvariantError
+from kvserve.worker.api_key import APIKeyMiddleware
 from kvserve.worker.body_limit import BodyLimitMiddleware
 from kvserve.worker.config import WorkerConfig
 from kvserve.worker.debug_check import CheckBudget, CheckRefused
@@ -56,7 +57,7 @@ def build_app(config: WorkerConfig, engine: Any) -> ASGIApp:
     app = FastAPI(title="kvserve worker", lifespan=lifespan, default_response_class=JSONResponse)
     app.state.bridge = bridge
     install_error_handlers(app)
-    endpoints = OpenAIEndpoints(bridge, metrics, config.api_key)
+    endpoints = OpenAIEndpoints(bridge, metrics)
     app.include_router(build_openai_router(endpoints))
     app.include_router(build_events_router(bridge, config.block_size))
     if pd:
@@ -103,5 +104,9 @@ def build_app(config: WorkerConfig, engine: Any) -> ASGIApp:
             raise APIError(500, f"KV cache invariant broken: {exc}", code="ledger_broken") from exc
         return JSONResponse({"ok": True})
 
-    served = BodyLimitMiddleware(GenerationRoutes(app, endpoints), config.max_body_bytes)
+    served: ASGIApp = BodyLimitMiddleware(GenerationRoutes(app, endpoints), config.max_body_bytes)
+    if config.api_key is not None:
+        served = APIKeyMiddleware(
+            served, config.api_key, metrics_without_key=config.metrics_without_key
+        )
     return WorkerHeaderMiddleware(served, worker_id)

@@ -36,7 +36,8 @@ class WorkerConfig:
     num_blocks: int | None = None
     kv_cache_memory: int | None = None
     max_num_batched_tokens: int = 512
-    api_key: str | None = None
+    api_key: str | None = None  # required on every route but /health (see worker.api_key)
+    metrics_without_key: bool = False  # /metrics open too, for a scraper without credentials
     worker_id: str | None = None
     model_name: str | None = None
     # Prompts of 100k+ tokens as JSON token ids are under 1 MiB; 8 MiB leaves margin.

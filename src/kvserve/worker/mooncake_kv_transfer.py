@@ -139,9 +139,13 @@ class MooncakeKVReceiver(TCPKVReceiver):
     """A decode worker's side: one registered buffer per transfer, named in its request."""
 
     def __init__(
-        self, layout: KVBlockLayout, engine: MooncakeEngine, frame_timeout_s: float
+        self,
+        layout: KVBlockLayout,
+        engine: MooncakeEngine,
+        frame_timeout_s: float,
+        api_key: str | None = None,
     ) -> None:
-        super().__init__(layout, frame_timeout_s)
+        super().__init__(layout, frame_timeout_s, api_key=api_key)
         self._engine = engine
 
     @contextlib.contextmanager

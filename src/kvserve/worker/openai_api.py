@@ -13,12 +13,11 @@ short generation.
 
 from __future__ import annotations
 
-import hmac
 import time
 from typing import Any
 
 import jinja2
-from fastapi import APIRouter, Depends, Request
+from fastapi import APIRouter, Request
 from pydantic import BaseModel, ValidationError
 from starlette.responses import Response
 from starlette.types import ASGIApp, Receive, Scope, Send
@@ -41,23 +40,11 @@ from kvserve.worker.responses import CHAT, COMPLETION, ResponseFormat
 class OpenAIEndpoints:
     """Request handling shared by the OpenAI routes of one worker."""
 
-    def __init__(
-        self, backend: GenerationBackend, metrics: WorkerMetrics, api_key: str | None
-    ) -> None:
+    def __init__(self, backend: GenerationBackend, metrics: WorkerMetrics) -> None:
         self.backend = backend
         self.metrics = metrics
-        self.api_key = api_key
         self.model_name: str = backend.engine.model_name
         self.created = int(time.time())
-
-    async def check_api_key(self, request: Request) -> None:
-        """Async on purpose: FastAPI would run a plain function in a thread pool."""
-        if self.api_key is None:
-            return
-        given = request.headers.get("authorization", "")
-        expected = f"Bearer {self.api_key}"
-        if not hmac.compare_digest(given.encode(), expected.encode()):
-            raise APIError(401, "Invalid or missing API key.", code="invalid_api_key")
 
     def check_model(self, body: SamplingRequest) -> None:
         if body.model != self.model_name:
@@ -143,7 +130,7 @@ def _sampling_params(body: SamplingRequest, max_tokens: int | None) -> SamplingP
 
 
 def build_openai_router(endpoints: OpenAIEndpoints) -> APIRouter:
-    router = APIRouter(prefix="/v1", dependencies=[Depends(endpoints.check_api_key)])
+    router = APIRouter(prefix="/v1")
 
     @router.get("/models")
     async def list_models() -> Response:
@@ -156,7 +143,7 @@ def build_openai_router(endpoints: OpenAIEndpoints) -> APIRouter:
 
 class GenerationRoutes:
     """ASGI middleware serving ``POST /v1/completions`` and ``/v1/chat/completions`` as
-    the FastAPI routes would (API key, then the body validated strictly in one pydantic
+    the FastAPI routes would (the body validated strictly in one pydantic
     call, errors as OpenAI bodies), and passing every other request on to ``app``."""
 
     def __init__(self, app: ASGIApp, endpoints: OpenAIEndpoints) -> None:
@@ -177,7 +164,6 @@ class GenerationRoutes:
         body_type, handler = route
         request = Request(scope, receive)
         try:
-            await self._endpoints.check_api_key(request)
             body = _parse_body(body_type, await request.body(), request.headers.get("content-type"))
             response = await handler(request, body)
         except APIError as exc:

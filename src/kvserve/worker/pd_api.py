@@ -75,8 +75,9 @@ def transfer_receiver(config: WorkerConfig, importer: PDImporter) -> KVTransferR
     if config.kv_transfer == "mooncake":
         from kvserve.worker.mooncake_kv_transfer import MooncakeEngine, MooncakeKVReceiver
 
-        return MooncakeKVReceiver(importer.layout, MooncakeEngine(config.host), timeout_s)
-    return TCPKVReceiver(importer.layout, frame_timeout_s=timeout_s)
+        engine = MooncakeEngine(config.host)
+        return MooncakeKVReceiver(importer.layout, engine, timeout_s, api_key=config.api_key)
+    return TCPKVReceiver(importer.layout, frame_timeout_s=timeout_s, api_key=config.api_key)
 
 
 class PDService:
@@ -134,8 +135,7 @@ class PDService:
         session = PDDecodeSession(
             self._bridge, self._importer, self._receiver, prefill_url, request.receive
         )
-        endpoints = OpenAIEndpoints(session, self._metrics, self._config.api_key)
-        await endpoints.check_api_key(request)
+        endpoints = OpenAIEndpoints(session, self._metrics)
         endpoints.check_model(body)
         response = await endpoints.generate(request, body, fmt, prompt_of(endpoints), max_tokens)
         response.headers[PATH_HEADER] = session.path

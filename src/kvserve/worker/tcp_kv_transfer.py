@@ -187,15 +187,21 @@ async def _send_quietly(writer: asyncio.StreamWriter, data: bytes) -> None:
 
 class TCPKVReceiver:
     """Fetches blocks from prefill workers, whose transfer addresses it learns from their
-    ``/pd/info`` by URL. ``frame_timeout_s`` bounds the wait for each frame (a stalled
-    prefill worker fails the transfer, as a lapsed lease would)."""
+    ``/pd/info`` by URL (sending ``api_key``: workers of one fleet share one key; the
+    transfer itself is raw TCP, no HTTP). ``frame_timeout_s`` bounds the wait for each
+    frame (a stalled prefill worker fails the transfer, as a lapsed lease would)."""
 
     def __init__(
-        self, layout: KVBlockLayout, frame_timeout_s: float, info_timeout_s: float = 5.0
+        self,
+        layout: KVBlockLayout,
+        frame_timeout_s: float,
+        info_timeout_s: float = 5.0,
+        api_key: str | None = None,
     ) -> None:
         self._layout = layout
         self._frame_timeout_s = frame_timeout_s
         self._info_timeout = aiohttp.ClientTimeout(total=info_timeout_s)
+        self._info_headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._addresses: dict[str, tuple[str, int]] = {}
 
     async def fetch(
@@ -222,7 +228,7 @@ class TCPKVReceiver:
             return known
         async with (
             aiohttp.ClientSession(timeout=self._info_timeout) as session,
-            session.get(url.rstrip("/") + "/pd/info") as response,
+            session.get(url.rstrip("/") + "/pd/info", headers=self._info_headers) as response,
         ):
             response.raise_for_status()
             info = await response.json()
