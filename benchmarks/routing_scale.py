@@ -25,7 +25,7 @@ Mooncake trace at 10 workers ×1 scales to 1,000 workers ×100: the same load pe
 
 Run: ``python benchmarks/routing_scale.py [--workers 10,100,1000,10000]
 [--prompt-blocks 16,128] [--blocks 100] [--decisions 300]
-[--sim-trace ../shared/data/mooncake/conversation_trace.jsonl --sim-workers 1000
+[--sim-trace $KVSERVE_DATA_DIR/mooncake/conversation_trace.jsonl --sim-workers 1000
 --sim-speedup 100]``.
 """
 

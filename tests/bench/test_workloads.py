@@ -93,7 +93,7 @@ def test_mooncake_is_deterministic_and_limited() -> None:
     assert len(list(build_workload(spec, limit=2).requests)) == 2
 
 
-@pytest.mark.skipif(not SHARED_DATA.is_dir(), reason="needs ../shared/data (the real traces)")
+@pytest.mark.skipif(not SHARED_DATA.is_dir(), reason="needs the real traces ($KVSERVE_DATA_DIR)")
 def test_real_mooncake_conversation_slice_keeps_its_sharing() -> None:
     rows = read_rows(SHARED_DATA / "mooncake/conversation_trace.jsonl", limit=120)
     specs = list(build_workload("mooncake-conv:block_tokens=4,mode=tokens", limit=120).requests)
@@ -117,7 +117,7 @@ def test_azure_arrivals_and_scaled_lengths_without_sharing() -> None:
     assert len({s.prompt for s in specs}) == 5
 
 
-@pytest.mark.skipif(not SHARED_DATA.is_dir(), reason="needs ../shared/data (the real traces)")
+@pytest.mark.skipif(not SHARED_DATA.is_dir(), reason="needs the real traces ($KVSERVE_DATA_DIR)")
 def test_real_azure_code_trace_reads() -> None:
     specs = list(build_workload("azure-code:input_scale=0.001", limit=50).requests)
     assert len(specs) == 50
@@ -132,7 +132,7 @@ def test_mt_bench_items_are_two_turn_chats() -> None:
     assert specs[2].user_turns[1] == "Can you parallelize it?"
 
 
-@pytest.mark.skipif(not SHARED_DATA.is_dir(), reason="needs ../shared/data (the real traces)")
+@pytest.mark.skipif(not SHARED_DATA.is_dir(), reason="needs the real traces ($KVSERVE_DATA_DIR)")
 def test_real_mt_bench_has_80_questions() -> None:
     assert build_workload("mt-bench").size == 80
 

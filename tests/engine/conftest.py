@@ -21,4 +21,6 @@ def attention_path(request: pytest.FixtureRequest) -> Iterator[str]:
     with pytest.MonkeyPatch.context() as patch:
         if request.param == "torch attention":
             patch.setenv(paged_kernel.ENV_SWITCH, "0")
+        else:
+            assert paged_kernel.load(), "the paged kernel did not build: no C++ compiler?"
         yield request.param

@@ -12,9 +12,9 @@ import torch
 from kvserve.engine import paged_kernel
 
 
-def test_kernel_builds_where_a_compiler_exists():
-    if shutil.which("c++") is None:
-        pytest.skip("no C++ compiler: the engine uses its pure-torch attention")
+def test_kernel_builds():
+    """CI has a C++ compiler (.ci/run installs g++ when missing): the kernel must build."""
+    assert shutil.which("c++") is not None, "no C++ compiler (.ci/run installs g++)"
     assert paged_kernel.load()
     assert paged_kernel.usable(torch.device("cpu"))
     assert not paged_kernel.usable(torch.device("cuda"))
@@ -47,8 +47,7 @@ def reference(q, pool, tables, sequences, window, scale):
 @pytest.mark.parametrize("window", [0, 7])
 @pytest.mark.parametrize(("heads", "kv_heads", "block_size"), [(8, 2, 4), (4, 4, 16), (6, 3, 32)])
 def test_kernel_matches_naive_attention(dtype, window, heads, kv_heads, block_size):
-    if not paged_kernel.load():
-        pytest.skip("no C++ compiler: the engine uses its pure-torch attention")
+    assert paged_kernel.load(), "the paged kernel did not build (see test_kernel_builds)"
     rng = random.Random(heads * block_size + window)
     head_dim, num_blocks = 32, 64
     pool = torch.randn(num_blocks, block_size, 2 * kv_heads, head_dim).to(dtype)
