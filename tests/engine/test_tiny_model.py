@@ -78,6 +78,7 @@ def test_unknown_arch_is_refused_by_the_function(tmp_path):
 
 def test_widths_reach_config_and_weights_and_transformers_loads_them(tmp_path):
     import transformers  # the dev extra's oracle, always installed for the tests
+
     widths = {"hidden_size": 96, "intermediate_size": 160, "num_heads": 6, "num_kv_heads": 3}
     shape = TinyShape(**widths, num_layers=2, head_dim=24)
     folder = make_tiny_model(tmp_path, "qwen3", seed=0, shape=shape)
