@@ -166,8 +166,8 @@ def register(app: typer.Typer) -> None:
                 storage_write_policy=storage_write_policy,
                 runner=runner,
                 sim_profile=sim_profile,
+                kv_transfer=kv_transfer,  # read by PD workers only
             ),
-            kv_transfer=kv_transfer,
             api_key=api_key,
         )
         if decode:

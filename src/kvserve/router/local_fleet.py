@@ -177,7 +177,6 @@ class LocalFleet:
         prefill: int = 0,
         decode: int = 0,
         worker_args: Sequence[str] = (),
-        kv_transfer: str = "tcp",
         api_key: str | None = None,
     ) -> None:
         if prefill and not decode:
@@ -190,7 +189,6 @@ class LocalFleet:
         self._worker_args = list(worker_args)  # ``kvserve worker`` flags every worker gets
         self._workers = len(self._roles)
         self._policy = policy
-        self._kv_transfer = kv_transfer  # PD workers' --kv-transfer
         self._api_key = api_key  # one key for the router's clients, the router and the workers
         self._host = host
         self._port = port
@@ -214,8 +212,6 @@ class LocalFleet:
                 args += self._worker_args
                 if self._api_key is not None:
                     args += ["--api-key", self._api_key]
-                if role != "mixed":
-                    args += ["--kv-transfer", self._kv_transfer]
                 workers.append(self._spawn(f"worker{index}", args, f"http://127.0.0.1:{port}", env))
             for worker in workers:
                 worker.wait_healthy(timeout_s)
