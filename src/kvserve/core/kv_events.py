@@ -30,6 +30,9 @@ class KVEvent:
     ``stored``: ``block_hashes`` is a chain, parent first, and ``parent_hash`` is the hash
     of the block before the first one (``None`` when the chain starts at the root).
     ``removed``: the hashes dropped, in any order. ``cleared``: the tier now holds nothing.
+    ``token_ids``: a ``stored`` chain's tokens (``block_size`` per block) when the writer
+    knew them, else empty. Only the vLLM-format publisher reads them: a foreign router
+    keys blocks by its own hash of the tokens, not by ours.
     """
 
     seq: int
@@ -37,6 +40,7 @@ class KVEvent:
     tier: str
     block_hashes: tuple[int, ...]
     parent_hash: int | None = None
+    token_ids: tuple[int, ...] = ()
 
 
 class EventGapError(Exception):
@@ -64,11 +68,14 @@ class EventLog:
         tier: str,
         block_hashes: Sequence[int],
         parent_hash: int | None = None,
+        token_ids: Sequence[int] = (),
     ) -> KVEvent:
         if kind not in EVENT_KINDS:
             raise ValueError(f"unknown KV event kind {kind!r}")
         self.last_seq += 1
-        event = KVEvent(self.last_seq, kind, tier, tuple(block_hashes), parent_hash)
+        event = KVEvent(
+            self.last_seq, kind, tier, tuple(block_hashes), parent_hash, tuple(token_ids)
+        )
         self._history.append(event)
         return event
 
