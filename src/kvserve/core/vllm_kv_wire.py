@@ -86,9 +86,26 @@ def _hash(value: Any) -> EngineHash:
     return value
 
 
-def _event(raw: Any) -> VllmEvent:
-    if not isinstance(raw, dict):
-        raise WireFormatError(f"event {raw!r} is not a map")
+# SGLang's publisher encodes each event as an array: its type, then its fields in this order.
+_ARRAY_FIELDS = {
+    "BlockStored": ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id",
+                    "medium", "lora_name"),
+    "BlockRemoved": ("block_hashes", "medium"),
+    "AllBlocksCleared": (),
+}  # fmt: skip
+
+
+def _as_map(raw: Any) -> dict[str, Any]:
+    """An event as vLLM's map, or SGLang's ``[type, field, ...]`` array made into one."""
+    if isinstance(raw, dict):
+        return raw
+    if isinstance(raw, list) and raw and raw[0] in _ARRAY_FIELDS:
+        return {"type": raw[0], **dict(zip(_ARRAY_FIELDS[raw[0]], raw[1:], strict=False))}
+    raise WireFormatError(f"event {raw!r} is neither a map nor a tagged array")
+
+
+def _event(encoded: Any) -> VllmEvent:
+    raw = _as_map(encoded)
     kind = raw.get("type")
     try:
         if kind == "BlockStored":
@@ -114,7 +131,8 @@ def _event(raw: Any) -> VllmEvent:
 
 def decode_batch(payload: bytes) -> EventBatch:
     """A message's payload frame; :class:`WireFormatError` for anything else. Events of
-    unknown types are an error too: skipping one would leave the index silently wrong."""
+    unknown types are an error too: skipping one would leave the index silently wrong.
+    SGLang's batches may lack the rank (``[ts, events]``)."""
     try:
         raw = msgpack.unpackb(payload, raw=False, strict_map_key=False)
     except (ValueError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError) as error:

@@ -183,11 +183,21 @@ class Router:
 
     def _describe(self, worker: Worker) -> dict[str, object]:
         load = self.tracker.load(worker.worker_id)
-        return {
+        described: dict[str, object] = {
             **worker.describe(),
             "in_flight_requests": load.in_flight_requests,
             "in_flight_prefill_tokens": load.in_flight_prefill_tokens,
         }
+        follower = self.subscriber.zmq_followers.get(worker.worker_id) if self.subscriber else None
+        if follower is not None:  # how its ZMQ stream has gone: gaps, replays, index drops
+            described["kv_events_stream"] = {
+                "next_seq": follower.next_seq,
+                "gaps": follower.gaps,
+                "replays": follower.replays,
+                "drops": follower.drops,
+                "unnamed_blocks": follower.blocks.unnamed_blocks,
+            }
+        return described
 
     async def list_workers(self, _request: web.Request) -> web.Response:
         return _json({"workers": [self._describe(w) for w in self.registry.all()]})

@@ -160,6 +160,7 @@ class KVEventSubscriber:
             self._zmq_context,
             models[0],
             on_block_size=None if self._block_size is not None else learned,
+            block_size=self._block_size,
         )
         self.zmq_followers[worker.worker_id] = follower
         if self._block_size is not None:

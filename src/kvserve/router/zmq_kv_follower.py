@@ -61,6 +61,7 @@ class ZmqKVFollower:
         model: str,
         *,
         on_block_size: Callable[[int], None] | None = None,
+        block_size: int | None = None,
         replay_timeout_s: float = 2.0,
     ) -> None:
         self.worker_id = worker_id
@@ -69,7 +70,7 @@ class ZmqKVFollower:
         self._context = context
         self._on_block_size = on_block_size
         self._replay_timeout_ms = int(replay_timeout_s * 1000)
-        self.blocks = ForeignBlockMap(model)
+        self.blocks = ForeignBlockMap(model, block_size)
         self._reported_block_size: int | None = None
         self.next_seq: int | None = None  # None: take the next message as the start
         self._replayed_through = -1  # live copies of these were applied from a replay
@@ -189,12 +190,14 @@ class ZmqKVFollower:
                 if not await dealer.poll(self._replay_timeout_ms):
                     log.info("kv events of %s: replay did not answer", self.worker_id)
                     return []
-                frames = await dealer.recv_multipart()
-                if len(frames) != 4:
-                    raise WireFormatError(f"replay answer of {len(frames)} frames")
-                if frames[2] == END_SEQ:
+                # vLLM: [b"", topic, seq, payload]; SGLang leaves the topic out.
+                frames = (await dealer.recv_multipart())[1:]
+                if len(frames) not in (2, 3):
+                    raise WireFormatError(f"replay answer of {len(frames) + 1} frames")
+                seq_frame, payload = frames[-2:]
+                if seq_frame == END_SEQ:
                     return steps
-                steps.append((decode_seq(frames[2]), decode_batch(frames[3])))
+                steps.append((decode_seq(seq_frame), decode_batch(payload)))
         except WireFormatError as error:
             log.warning("kv events of %s: replay: %s", self.worker_id, error)
             return []

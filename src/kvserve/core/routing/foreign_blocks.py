@@ -59,55 +59,83 @@ def _salt_and_rest(event: BlockStored) -> tuple[str | None, tuple[Any, ...]]:
 
 
 class ForeignBlockMap:
-    """Engine hash → (kvserve hash, namespace), per tier, for one foreign worker."""
+    """Engine hash → (kvserve hash, namespace) for one foreign worker, and the tiers that
+    hold each block. A name does not depend on the tier, so a block copied to another
+    tier (vLLM's CPU offload announces it by hash alone) is named from the first."""
 
-    def __init__(self, model: str) -> None:
+    def __init__(self, model: str, block_size: int | None = None) -> None:
         self.model = model
-        self._names: dict[tuple[str, EngineHash], tuple[int, bytes]] = {}
+        self._names: dict[EngineHash, tuple[int, bytes]] = {}
+        self._tiers: dict[EngineHash, set[str]] = {}
         self.unnamed_blocks = 0
-        self.block_size: int | None = None
+        # the first BlockStored's, unless given; blocks of another size (SGLang's partial
+        # last page) cannot match a prompt hashed at this size and stay unnamed
+        self.block_size = block_size
 
     def __len__(self) -> int:
         return len(self._names)
 
     def clear(self) -> None:
         self._names.clear()
+        self._tiers.clear()
 
     def translate(self, seq: int, event: VllmEvent) -> list[KVEvent]:
         """The index events for one engine event (none when nothing can be named)."""
         if isinstance(event, BlockStored):
             return self._stored(seq, event)
         if isinstance(event, BlockRemoved):
-            tier = stored_tier(event.medium)
-            names = self._names
-            removed = [names.pop((tier, h))[0] for h in event.block_hashes if (tier, h) in names]
-            return [KVEvent(seq, "removed", tier, tuple(removed))] if removed else []
+            return self._removed(seq, event)
         assert isinstance(event, AllBlocksCleared)
-        self._names.clear()
+        self.clear()
         return [KVEvent(seq, "cleared", tier, ()) for tier in TIERS]
 
+    def _removed(self, seq: int, event: BlockRemoved) -> list[KVEvent]:
+        tier = stored_tier(event.medium)
+        removed = []
+        for engine_hash in event.block_hashes:
+            tiers = self._tiers.get(engine_hash)
+            if tiers is None or tier not in tiers:
+                continue
+            removed.append(self._names[engine_hash][0])
+            tiers.discard(tier)
+            if not tiers:
+                del self._tiers[engine_hash], self._names[engine_hash]
+        return [KVEvent(seq, "removed", tier, tuple(removed))] if removed else []
+
     def _stored(self, seq: int, event: BlockStored) -> list[KVEvent]:
-        if not block_count_ok(event):
+        tier = stored_tier(event.medium)
+        named = self._named(event)
+        if named is None:
             self.unnamed_blocks += len(event.block_hashes)
             return []
-        self.block_size = event.block_size
-        tier = stored_tier(event.medium)
-        if event.parent_block_hash is None:
-            parent: int | None = None
-            salt, rest = _salt_and_rest(event)
+        ours, parent = named
+        for engine_hash in event.block_hashes:
+            self._tiers.setdefault(engine_hash, set()).add(tier)
+        return [KVEvent(seq, "stored", tier, tuple(ours), parent)]
+
+    def _named(self, event: BlockStored) -> tuple[list[int], int | None] | None:
+        """Our names for the event's blocks and their parent, None when unknowable."""
+        names = self._names
+        parent_name = (
+            None if event.parent_block_hash is None else names.get(event.parent_block_hash)
+        )
+        if event.parent_block_hash is not None and parent_name is None:
+            return None
+        parent = None if parent_name is None else parent_name[0]
+        if event.block_hashes and all(h in names for h in event.block_hashes):
+            return [names[h][0] for h in event.block_hashes], parent  # held on another tier
+        if self.block_size is None:
+            self.block_size = event.block_size
+        if not block_count_ok(event) or event.block_size != self.block_size:
+            return None
+        salt, rest = _salt_and_rest(event)
+        if parent_name is None:
             namespace = make_namespace(event.lora_name or self.model, None, salt)
-            if rest:
-                namespace += b"\x00extra\x00" + repr(rest).encode("utf-8")
         else:
-            known = self._names.get((tier, event.parent_block_hash))
-            if known is None:
-                self.unnamed_blocks += len(event.block_hashes)
-                return []
-            parent, namespace = known
-            _, rest = _salt_and_rest(event)
-            if rest:  # a later block's own multimodal keys: a namespace of its own
-                namespace += b"\x00extra\x00" + repr(rest).encode("utf-8")
+            namespace = parent_name[1]
+        if rest:  # multimodal keys: a namespace no text prompt has
+            namespace += b"\x00extra\x00" + repr(rest).encode("utf-8")
         ours = block_hashes(event.token_ids, event.block_size, namespace, parent)
         for engine_hash, own in zip(event.block_hashes, ours, strict=True):
-            self._names[(tier, engine_hash)] = (own, namespace)
-        return [KVEvent(seq, "stored", tier, tuple(ours), parent)]
+            names[engine_hash] = (own, namespace)
+        return ours, parent
