@@ -56,8 +56,13 @@ def until(condition: Callable[[], bool], what: str, timeout_s: float = 60.0) -> 
 
 
 def prefix_hits(server: VllmServer) -> float:
-    found = samples(f"{server.url}/metrics")
-    return sum(v for (name, _), v in found.items() if name == "vllm:prefix_cache_hits_total")
+    """vLLM's own count of prompt tokens served from its prefix cache (the name has a
+    colon, which the shared metrics reader does not take)."""
+    text = httpx.get(f"{server.url}/metrics").text
+    name = "vllm:prefix_cache_hits_total"
+    values = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name)]
+    assert values, f"{name} missing from vLLM's /metrics"
+    return sum(values)
 
 
 @pytest.fixture(scope="module")

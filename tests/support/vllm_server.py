@@ -28,9 +28,10 @@ class VllmServer:
     """One ``vllm serve`` with KV events on ``events_port`` and replay on ``replay_port``;
     the ports stay the same across :meth:`restart`."""
 
-    def __init__(self, model_dir: Path, *, kv_cache_gib: int = 1) -> None:
+    def __init__(self, model_dir: Path, *, kv_cache_gib: int = 1, dev_mode: bool = False) -> None:
         require_vllm()
         self.model_dir = model_dir
+        self.dev_mode = dev_mode  # /reset_prefix_cache, for benchmarks
         self.port, self.events_port, self.replay_port = free_port(), free_port(), free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.kv_cache_gib = kv_cache_gib
@@ -49,12 +50,14 @@ class VllmServer:
             "--host", "127.0.0.1", "--port", str(self.port), "--dtype", "float32",
             "--max-model-len", "2048", "--enable-prefix-caching",
             "--block-size", str(BLOCK_SIZE), "--max-num-seqs", "16",
+            "--enable-prompt-tokens-details",
             "--kv-events-config", json.dumps(events),
         ]  # fmt: skip
         env = {
             "VLLM_CPU_KVCACHE_SPACE": str(self.kv_cache_gib),
             "VLLM_CPU_OMP_THREADS_BIND": "nobind",
             "PYTHONPATH": "",  # kvserve's source stays out of vLLM's venv
+            "VLLM_SERVER_DEV_MODE": "1" if self.dev_mode else "0",
         }
         return ServerProcess(args, self.url, name="vllm", env=env)
 
