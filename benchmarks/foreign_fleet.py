@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kvserve.router.local_fleet import KVSERVE_COMMAND, ServerProcess, free_port
 from tests.support.processes import start_router
-from tests.support.vllm_server import VllmServer
+from tests.support.vllm_server import BLOCK_SIZE, VllmServer
 
 ROUTERS = ("kvserve-kv_aware", "sglang-cache_aware")
 
@@ -61,11 +61,53 @@ def start_sglang_router(workers: list[VllmServer]) -> ServerProcess:
     return ServerProcess(args, f"http://127.0.0.1:{port}", name="sglang-router").wait_healthy(60)
 
 
-def start_kvserve_router(workers: list[VllmServer], model_dir: Path) -> ServerProcess:
-    return start_router(
+def start_kvserve_router(
+    workers: list[VllmServer], model_dir: Path, prefill_token_s: float
+) -> ServerProcess:
+    """kv_aware with this machine's prefill cost; a running request is charged one prompt
+    token's worth (a CPU computes a decode token as it does a prompt token)."""
+    router = start_router(
         [w.url for w in workers], free_port(), "--policy", "kv_aware",
         "--tokenizer", str(model_dir), "--kv-events", *[w.kv_events() for w in workers],
+        "--kv-block-size", str(BLOCK_SIZE), "--kv-prefill-token-s", str(prefill_token_s),
+        "--kv-decode-request-s", str(prefill_token_s),
     )  # fmt: skip
+    deadline = time.monotonic() + 60
+    while not all("kv_events_stream" in w for w in _workers(router)):  # followers started
+        assert time.monotonic() < deadline, "the router never followed its workers' events"
+        time.sleep(0.1)
+    return router
+
+
+def _workers(router: ServerProcess) -> list[dict[str, Any]]:
+    with urllib.request.urlopen(f"{router.url}/workers", timeout=10) as response:
+        workers: list[dict[str, Any]] = json.loads(response.read())["workers"]
+    return workers
+
+
+def _cold_ttft_s(worker: VllmServer, model_dir: Path, tokens: list[int]) -> float:
+    body = json.dumps({"model": str(model_dir), "prompt": tokens, "max_tokens": 1}).encode()
+    request = urllib.request.Request(
+        f"{worker.url}/v1/completions", body, {"Content-Type": "application/json"}
+    )
+    started = time.perf_counter()
+    with urllib.request.urlopen(request, timeout=120) as response:
+        response.read()
+    return time.perf_counter() - started
+
+
+def prefill_token_s(worker: VllmServer, model_dir: Path) -> float:
+    """Seconds per prompt token on this machine: the slope between cold prompts of 128
+    and 1,536 tokens (best of three each, fresh tokens every time)."""
+    times = {}
+    for length in (128, 1536):
+        times[length] = min(
+            _cold_ttft_s(
+                worker, model_dir, [(7 * i + 13 * k + length) % 900 + 50 for i in range(length)]
+            )
+            for k in range(3)
+        )
+    return (times[1536] - times[128]) / (1536 - 128)
 
 
 def reset_caches(workers: list[VllmServer]) -> None:
@@ -81,13 +123,11 @@ def run_once(
 ) -> dict[str, Any]:  # fmt: skip
     reset_caches(workers)
     router = (
-        start_kvserve_router(workers, model_dir)
+        start_kvserve_router(workers, model_dir, args.prefill_token_s)
         if name.startswith("kvserve")
         else start_sglang_router(workers)
     )
     try:
-        if name.startswith("kvserve"):  # its followers subscribed (each asks for a replay)
-            time.sleep(1.0)
         subprocess.run(
             [*KVSERVE_COMMAND, "bench", "--endpoint", router.url, "--workload", workload,
              "--model", str(model_dir), "--concurrency", str(args.concurrency),
@@ -109,7 +149,7 @@ def main() -> None:
     args = parser.parse_args()
     workloads = {
         "shared-prefix": "shared-prefix:n_prefixes=6,prefix_len=384,suffix_len=24,max_tokens=8",
-        "mooncake-conv": "mooncake-conv:block_tokens=24,max_tokens=8",
+        "mooncake-conv": "mooncake-conv:block_tokens=10,max_tokens=8",
     }
     model_dir = make_model()
     workers = [VllmServer(model_dir, dev_mode=True, kv_cache_gib=1) for _ in range(2)]
@@ -117,6 +157,8 @@ def main() -> None:
     try:
         for worker in workers:
             worker.wait_healthy(600)
+        args.prefill_token_s = prefill_token_s(workers[0], model_dir)
+        print(f"prefill: {args.prefill_token_s * 1e6:.1f} us per prompt token", flush=True)
         for round_index in range(args.rounds):
             order = ROUTERS if round_index % 2 == 0 else ROUTERS[::-1]
             for workload_name, spec in workloads.items():

@@ -54,6 +54,7 @@ class VllmFormatPublisher:
 
     def __init__(self, port: int, replay_port: int | None = None, topic: str = "kv") -> None:
         self.context = zmq.Context()
+        self.port, self.replay_port = port, replay_port
         self.topic = topic.encode()
         self.buffer: list[tuple[int, bytes]] = []
         self.next_seq = 0

@@ -123,9 +123,24 @@ def register(app: typer.Typer) -> None:
             int | None,
             _tuning("kv_aware over ZMQ event sources: block size (default: from the events)."),
         ] = None,
+        kv_prefill_token_s: Annotated[
+            float | None,
+            _tuning(
+                "kv_aware: seconds a worker takes per uncached prompt token (default: "
+                "Llama-3-8B on an H100). Calibrate for other engines and hardware."
+            ),
+        ] = None,
+        kv_decode_request_s: Annotated[
+            float | None,
+            _tuning(
+                "kv_aware: seconds each running request adds to a new prefill (default: "
+                "5 ms, a GPU's; on a CPU a decode costs about what a prompt token does)."
+            ),
+        ] = None,
     ) -> None:
         """Route OpenAI requests over workers (defaults match sglang-router's)."""
         from kvserve.core.routing.cache_aware import CacheAwareConfig
+        from kvserve.core.routing.kv_aware import KvAwareConfig
         from kvserve.router import RouterConfig, run_router
         from kvserve.router.config import CircuitBreakerConfig, HealthCheckConfig, RetryConfig
 
@@ -133,6 +148,7 @@ def register(app: typer.Typer) -> None:
         # arrive here, told apart by their scheme.
         extra = more_values or []
         extra_sources = [v for v in extra if not v.startswith(("http://", "https://"))]
+        default_costs = KvAwareConfig()
         try:
             config = RouterConfig(
                 worker_urls=(
@@ -155,6 +171,14 @@ def register(app: typer.Typer) -> None:
                     balance_rel_threshold=balance_rel_threshold,
                     eviction_interval_s=eviction_interval_secs,
                     max_tree_size=max_tree_size,
+                ),
+                kv_aware=KvAwareConfig(
+                    prefill_token_s=default_costs.prefill_token_s
+                    if kv_prefill_token_s is None
+                    else kv_prefill_token_s,
+                    decode_request_s=default_costs.decode_request_s
+                    if kv_decode_request_s is None
+                    else kv_decode_request_s,
                 ),
                 session_header=session_header,
                 tokenizer=tokenizer,
