@@ -128,7 +128,8 @@ class KVCacheManager:
         """Commit the request's full blocks ``hashes[i]`` (block i) not yet committed.
 
         ``token_ids``, the request's tokens from its first, go into the ``stored`` event
-        when given (a vLLM-format subscriber keys blocks by them)."""
+        when given and the log records tokens (a vLLM-format subscriber keys blocks by
+        them)."""
         request = self._require(request_id)
         pinned = request.pinned
         done = len(pinned)
@@ -148,7 +149,8 @@ class KVCacheManager:
                 "it matched or committed"
             )
         size = ledger.block_size
-        tokens = token_ids[done * size : len(hashes) * size] if token_ids else ()
+        keep = token_ids and ledger.events.record_tokens
+        tokens = token_ids[done * size : len(hashes) * size] if keep else ()
         pinned.extend(ledger.insert(hashes[done:], table[done : len(hashes)], parent_hash, tokens))
 
     def block_table(self, request_id: str) -> list[int]:

@@ -52,15 +52,20 @@ class EventGapError(Exception):
 
 
 class EventLog:
-    """Sequence-numbered events with a bounded history."""
+    """Sequence-numbered events with a bounded history.
 
-    __slots__ = ("_history", "last_seq")
+    ``record_tokens``: keep the token ids writers give with ``stored`` events. Off by
+    default: only a vLLM-format publisher reads them, and a history of long prompts'
+    tokens would cost memory every other log (the simulator's many) does not need."""
 
-    def __init__(self, max_history: int = DEFAULT_HISTORY) -> None:
+    __slots__ = ("_history", "last_seq", "record_tokens")
+
+    def __init__(self, max_history: int = DEFAULT_HISTORY, record_tokens: bool = False) -> None:
         if max_history <= 0:
             raise ValueError(f"max_history must be positive, got {max_history}")
         self._history: deque[KVEvent] = deque(maxlen=max_history)
         self.last_seq = 0
+        self.record_tokens = record_tokens
 
     def append(
         self,
@@ -73,9 +78,8 @@ class EventLog:
         if kind not in EVENT_KINDS:
             raise ValueError(f"unknown KV event kind {kind!r}")
         self.last_seq += 1
-        event = KVEvent(
-            self.last_seq, kind, tier, tuple(block_hashes), parent_hash, tuple(token_ids)
-        )
+        tokens = tuple(token_ids) if self.record_tokens else ()
+        event = KVEvent(self.last_seq, kind, tier, tuple(block_hashes), parent_hash, tokens)
         self._history.append(event)
         return event
 

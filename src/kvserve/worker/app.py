@@ -48,6 +48,8 @@ def build_app(config: WorkerConfig, engine: Any) -> ASGIApp:
     worker_id = config.resolved_worker_id
     pd = PDService(config, bridge, metrics) if config.role != "mixed" else None
 
+    if config.kv_events_publisher is not None:
+        engine.events.record_tokens = True  # BlockStored carries the blocks' tokens
     publisher = (
         VllmKVPublisher(
             bridge,
