@@ -15,7 +15,8 @@ def test_sources_parse() -> None:
     assert parse_kv_event_source("ipc:///tmp/kv?replay=tcp://h:2") == ZmqEventSource(
         "ipc:///tmp/kv", "tcp://h:2"
     )
-    for bad in ("", "http://h:1", "tcp://h", "tcp://*:1", "tcp://h:1?replay=", "tcp://h:1?x=y"):
+    bad_values = ("", "http://h:1", "tcp://h", "tcp://*:1", "tcp://h:x", "tcp://h:0", "tcp://:5")
+    for bad in (*bad_values, "tcp://h:1?replay=", "tcp://h:1?x=y"):
         with pytest.raises(ValueError):
             parse_kv_event_source(bad)
 

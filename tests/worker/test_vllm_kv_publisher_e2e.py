@@ -172,3 +172,25 @@ def test_router_follows_kvserve_workers_over_zmq(
         assert answer.json()["usage"]["prompt_tokens_details"]["cached_tokens"] >= 8 * BLOCK
     finally:
         router.stop()
+
+
+def test_a_taken_publisher_port_fails_the_start(model_dir: Path) -> None:
+    context = zmq.Context()
+    squatter = context.socket(zmq.PUB)
+    port = free_port()
+    squatter.bind(f"tcp://127.0.0.1:{port}")
+    try:
+        args = [
+            *KVSERVE_COMMAND, "worker", "--model", str(model_dir), "--port", str(free_port()),
+            "--runner", "sim", "--sim-profile", "tiny", "--num-blocks", "64",
+            "--kv-events-publisher", f"tcp://*:{port}",
+        ]  # fmt: skip
+        worker = ServerProcess(args, "http://127.0.0.1:1", name="port-taken-worker")
+        try:
+            assert worker.process.wait(90) != 0
+        finally:
+            worker.stop()
+        assert "Address already in use" in worker.log_path.read_text()
+    finally:
+        squatter.close(linger=0)
+        context.term()

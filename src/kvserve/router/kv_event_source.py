@@ -30,8 +30,10 @@ KVEventSource = ZmqEventSource | None  # None: the worker's HTTP stream
 def _zmq_endpoint(value: str) -> str:
     if not value.startswith(_ZMQ_SCHEMES) or len(value) <= len("tcp://"):
         raise ValueError(f"KV event endpoint {value!r}: expected tcp://host:port or ipc://path")
-    if value.startswith("tcp://") and ("*" in value or ":" not in value[len("tcp://") :]):
-        raise ValueError(f"KV event endpoint {value!r}: the router connects, name host:port")
+    if value.startswith("tcp://"):
+        host, _, port = value[len("tcp://") :].rpartition(":")
+        if not host or "*" in host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ValueError(f"KV event endpoint {value!r}: the router connects, name host:port")
     return value
 
 

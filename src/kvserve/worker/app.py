@@ -63,6 +63,8 @@ def build_app(config: WorkerConfig, engine: Any) -> ASGIApp:
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        if publisher is not None:
+            publisher.open()  # a taken port fails the start here
         bridge.start()
         publishing = asyncio.create_task(publisher.run()) if publisher else None
         try:
@@ -73,6 +75,8 @@ def build_app(config: WorkerConfig, engine: Any) -> ASGIApp:
                 publishing.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await publishing
+            if publisher is not None:
+                publisher.close()
             await bridge.shutdown()
 
     app = FastAPI(title="kvserve worker", lifespan=lifespan, default_response_class=JSONResponse)

@@ -99,31 +99,50 @@ class VllmKVPublisher:
         self._topic = topic.encode("utf-8")
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=REPLAY_STEPS)
         self._next_seq = 0
+        self._context: zmq.asyncio.Context | None = None
+        self._pub: zmq.asyncio.Socket | None = None
+        self._replay: zmq.asyncio.Socket | None = None
+
+    def open(self) -> None:
+        """Bind (or connect) the sockets now, so that a taken port fails the worker's
+        start instead of silently leaving it unpublished."""
+        self._context = zmq.asyncio.Context()
+        self._pub = self._context.socket(zmq.PUB)
+        self._pub.setsockopt(zmq.LINGER, 0)
+        try:
+            bind_or_connect(self._pub, self._endpoint)
+            if self._replay_endpoint is not None:
+                self._replay = self._context.socket(zmq.ROUTER)
+                self._replay.setsockopt(zmq.LINGER, 0)
+                self._replay.bind(self._replay_endpoint)
+        except zmq.ZMQError:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        for socket in (self._pub, self._replay):
+            if socket is not None:
+                socket.close(linger=0)
+        self._pub = self._replay = None
+        if self._context is not None:
+            self._context.term()
+            self._context = None
 
     async def run(self) -> None:
-        """Publish until cancelled."""
-        context = zmq.asyncio.Context()
-        pub = context.socket(zmq.PUB)
-        pub.setsockopt(zmq.LINGER, 0)
-        bind_or_connect(pub, self._endpoint)
-        replay = None
-        tasks: list[asyncio.Task[None]] = []
+        """Publish until cancelled (after :meth:`open`)."""
+        assert self._pub is not None, "open() first"
+        replaying = (
+            asyncio.create_task(self._serve_replay(self._replay))
+            if self._replay is not None
+            else None
+        )
         try:
-            if self._replay_endpoint is not None:
-                replay = context.socket(zmq.ROUTER)
-                replay.setsockopt(zmq.LINGER, 0)
-                replay.bind(self._replay_endpoint)
-                tasks.append(asyncio.create_task(self._serve_replay(replay)))
-            await self._publish_forever(pub)
+            await self._publish_forever(self._pub)
         finally:
-            for task in tasks:
-                task.cancel()
+            if replaying is not None:
+                replaying.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
-                    await task
-            pub.close(linger=0)
-            if replay is not None:
-                replay.close(linger=0)
-            context.term()
+                    await replaying
 
     async def _publish_forever(self, pub: zmq.asyncio.Socket) -> None:
         after = 0
