@@ -183,3 +183,16 @@ async def test_a_malformed_message_drops_the_index_and_following_goes_on(plain: 
     pub.next_seq = 2
     pub.publish([block_stored([13], None, B, BS)])
     await until(lambda: plain.holds(ours(B)) == [True])
+
+
+async def test_a_sequence_that_starts_again_is_a_restart(plain: Setup) -> None:
+    """Behind a relay the subscriber sees no disconnect: the numbering tells."""
+    pub = plain.publisher
+    pub.publish([block_stored([11], None, A[:BS], BS)])
+    pub.publish([block_stored([12], 11, A[BS:], BS)])
+    await until(lambda: plain.held() == 2)
+    pub.next_seq = 0  # a new engine behind the same endpoint
+    pub.publish([block_stored([11], None, B, BS)])  # engine names may repeat
+    await until(lambda: plain.follower.drops == 1)
+    await until(lambda: plain.holds(ours(B)) == [True])
+    assert plain.holds(ours(A)) == [False, False] and plain.follower.next_seq == 1
