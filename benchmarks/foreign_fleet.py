@@ -13,8 +13,12 @@ over prompt tokens (``--enable-prompt-tokens-details``).
 The model is a random-weight qwen3 (head_dim 32, as vLLM's CPU attention needs) wide
 enough that a prefill costs real time on a CPU, so that reusing a prefix shows in TTFT.
 
+``--routers`` adds ``kvserve-cache_aware`` (kvserve's router running sglang-router's
+policy), which separates what the router process costs from what the policy decides.
+
 Run: ``python benchmarks/foreign_fleet.py [--requests 48] [--rounds 1]
-[--out runs/foreign-fleet]``
+[--routers kvserve-kv_aware sglang-cache_aware kvserve-cache_aware]
+[--workloads shared-prefix mooncake-conv] [--out runs/foreign-fleet]``
 """
 
 from __future__ import annotations
@@ -35,7 +39,11 @@ from kvserve.router.local_fleet import KVSERVE_COMMAND, ServerProcess, free_port
 from tests.support.processes import start_router
 from tests.support.vllm_server import BLOCK_SIZE, VllmServer
 
-ROUTERS = ("kvserve-kv_aware", "sglang-cache_aware")
+ROUTERS = ("kvserve-kv_aware", "sglang-cache_aware", "kvserve-cache_aware")
+WORKLOADS = {
+    "shared-prefix": "shared-prefix:n_prefixes=6,prefix_len=384,suffix_len=24,max_tokens=8",
+    "mooncake-conv": "mooncake-conv:block_tokens=10,max_tokens=8",
+}
 
 
 def make_model() -> Path:
@@ -122,11 +130,12 @@ def run_once(
     out: Path,
 ) -> dict[str, Any]:  # fmt: skip
     reset_caches(workers)
-    router = (
-        start_kvserve_router(workers, model_dir, args.prefill_token_s)
-        if name.startswith("kvserve")
-        else start_sglang_router(workers)
-    )
+    if name == "kvserve-kv_aware":
+        router = start_kvserve_router(workers, model_dir, args.prefill_token_s)
+    elif name == "kvserve-cache_aware":  # kvserve's router with sglang-router's policy
+        router = start_router([w.url for w in workers], free_port(), "--policy", "cache_aware")
+    else:
+        router = start_sglang_router(workers)
     try:
         subprocess.run(
             [*KVSERVE_COMMAND, "bench", "--endpoint", router.url, "--workload", workload,
@@ -146,11 +155,10 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=4)
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--out", type=Path, default=Path("runs/foreign-fleet"))
+    parser.add_argument("--routers", nargs="+", choices=ROUTERS, default=list(ROUTERS[:2]))
+    parser.add_argument("--workloads", nargs="+", choices=WORKLOADS, default=list(WORKLOADS))
     args = parser.parse_args()
-    workloads = {
-        "shared-prefix": "shared-prefix:n_prefixes=6,prefix_len=384,suffix_len=24,max_tokens=8",
-        "mooncake-conv": "mooncake-conv:block_tokens=10,max_tokens=8",
-    }
+    workloads = {name: WORKLOADS[name] for name in args.workloads}
     model_dir = make_model()
     workers = [VllmServer(model_dir, dev_mode=True, kv_cache_gib=1) for _ in range(2)]
     results: dict[str, dict[str, list[dict[str, Any]]]] = {w: {} for w in workloads}
@@ -160,7 +168,7 @@ def main() -> None:
         args.prefill_token_s = prefill_token_s(workers[0], model_dir)
         print(f"prefill: {args.prefill_token_s * 1e6:.1f} us per prompt token", flush=True)
         for round_index in range(args.rounds):
-            order = ROUTERS if round_index % 2 == 0 else ROUTERS[::-1]
+            order = args.routers if round_index % 2 == 0 else args.routers[::-1]
             for workload_name, spec in workloads.items():
                 for name in order:
                     out = args.out / f"{workload_name}-{name}-r{round_index}"
