@@ -93,6 +93,17 @@ def register(app: typer.Typer) -> None:
         storage_write_policy: Annotated[
             str, typer.Option(help="Blocks written to storage: write_through | hit_count:K.")
         ] = "write_through",
+        kv_events_publisher: Annotated[
+            str | None,
+            typer.Option(
+                help="Also publish KV events on ZMQ in vLLM's format (tcp://*:PORT binds, "
+                "tcp://host:PORT connects), for routers built for vLLM fleets."
+            ),
+        ] = None,
+        kv_events_replay: Annotated[
+            str | None,
+            typer.Option(help="With --kv-events-publisher: its replay socket (tcp://*:PORT)."),
+        ] = None,
     ) -> None:
         """Serve one engine: OpenAI API, /health, /load, /metrics, KV events."""
         from kvserve.core.routing.pd_pair import PDConfig
@@ -122,6 +133,8 @@ def register(app: typer.Typer) -> None:
             profile(sim_profile)
         except ValueError as error:
             raise typer.BadParameter(str(error), param_hint="--sim-profile") from error
+        if kv_events_replay is not None and kv_events_publisher is None:
+            raise typer.BadParameter("needs --kv-events-publisher", param_hint="--kv-events-replay")
         if num_blocks is not None and kv_cache_memory is not None:
             raise typer.BadParameter("give --num-blocks or --kv-cache-memory, not both")
         try:
@@ -164,5 +177,7 @@ def register(app: typer.Typer) -> None:
                 pd=PDConfig(pd_min_remote_tokens, pd_local_hit_fraction),
                 kv_tiers=kv_tiers,
                 kv_transfer=kv_transfer,
+                kv_events_publisher=kv_events_publisher,
+                kv_events_replay=kv_events_replay,
             )
         )

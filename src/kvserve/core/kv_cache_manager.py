@@ -122,8 +122,14 @@ class KVCacheManager:
         request.table.extend(ledger.allocate(need))
         return True
 
-    def commit_blocks(self, request_id: str, hashes: Sequence[int]) -> None:
-        """Commit the request's full blocks ``hashes[i]`` (block i) not yet committed."""
+    def commit_blocks(
+        self, request_id: str, hashes: Sequence[int], token_ids: Sequence[int] = ()
+    ) -> None:
+        """Commit the request's full blocks ``hashes[i]`` (block i) not yet committed.
+
+        ``token_ids``, the request's tokens from its first, go into the ``stored`` event
+        when given and the log records tokens (a vLLM-format subscriber keys blocks by
+        them)."""
         request = self._require(request_id)
         pinned = request.pinned
         done = len(pinned)
@@ -142,7 +148,10 @@ class KVCacheManager:
                 f"request {request_id!r}: hash of block {done - 1} differs from the one "
                 "it matched or committed"
             )
-        pinned.extend(ledger.insert(hashes[done:], table[done : len(hashes)], parent_hash))
+        size = ledger.block_size
+        keep = token_ids and ledger.events.record_tokens
+        tokens = token_ids[done * size : len(hashes) * size] if keep else ()
+        pinned.extend(ledger.insert(hashes[done:], table[done : len(hashes)], parent_hash, tokens))
 
     def block_table(self, request_id: str) -> list[int]:
         request = self._requests.get(request_id)

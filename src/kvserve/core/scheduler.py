@@ -305,5 +305,7 @@ class Scheduler:
             self.stats.computed_tokens += chunk.num_tokens
             num_full = request.num_computed_tokens // self.block_size
             if num_full > request.num_committed_blocks:
-                self.kv_cache.commit_blocks(request.request_id, request.computed_block_hashes())
+                self.kv_cache.commit_blocks(
+                    request.request_id, request.computed_block_hashes(), request.token_ids
+                )
                 request.num_committed_blocks = num_full

@@ -48,6 +48,7 @@ class Reservation:
 class _Reserved:
     hashes: list[int]
     next_block: int
+    token_ids: list[int]  # the prompt's, for the stored events
     request: Request | None = None  # the request that took the blocks over
 
 
@@ -98,7 +99,7 @@ class PDImporter(KVConnector):
             cache.free_request(key)  # prefill here; the scheduler queues it
             return Reservation(token_ids, num_blocks, cached, remote=False)
         self.leases.grant(lease_id, now, self.lease_ttl_s)
-        self._reserved[lease_id] = _Reserved(hashes, next_block=cached)
+        self._reserved[lease_id] = _Reserved(hashes, next_block=cached, token_ids=token_ids)
         return Reservation(token_ids, num_blocks, cached, remote=True)
 
     def install(self, lease_id: str, first_block: int, blocks: torch.Tensor, now: float) -> None:
@@ -115,7 +116,7 @@ class PDImporter(KVConnector):
         key = _lease_key(lease_id)
         table = self._cache.block_table(key)[first_block:end]
         write_blocks(self._pool, self.layout, table, blocks)
-        self._cache.commit_blocks(key, reserved.hashes[:end])
+        self._cache.commit_blocks(key, reserved.hashes[:end], reserved.token_ids)
         reserved.next_block = end
 
     def release(self, lease_id: str) -> None:

@@ -105,10 +105,16 @@ class PromptHasher:
 def prompt_blocks(
     body: Mapping[str, Any], tokens: list[int] | None, block_size: int
 ) -> PromptBlocks | None:
-    """The reusable block hashes of a body's prompt tokens, in its model's namespace."""
+    """The reusable block hashes of a body's prompt tokens, in its model's namespace.
+
+    A ``cache_salt`` (vLLM's field: tenants that must not share cached prefixes) joins
+    the namespace, as it joins a vLLM engine's block hashes. kvserve's engine ignores
+    the field, so over kvserve workers a salted prompt is predicted to miss."""
     if not tokens:
         return None
-    model = body.get("model")
-    namespace = make_namespace(model if isinstance(model, str) else "")
+    model, salt = body.get("model"), body.get("cache_salt")
+    namespace = make_namespace(
+        model if isinstance(model, str) else "", None, salt if isinstance(salt, str) else None
+    )
     reusable = tokens[: (len(tokens) - 1) // block_size * block_size]
     return PromptBlocks(len(tokens), block_hashes(reusable, block_size, namespace), block_size)

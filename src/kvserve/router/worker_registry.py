@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from kvserve.router.circuit_breaker import CircuitBreaker
 from kvserve.router.config import CircuitBreakerConfig, HealthCheckConfig
+from kvserve.router.kv_event_source import KVEventSource, describe
 
 
 @dataclass
@@ -17,6 +18,7 @@ class Worker:
     url: str
     breaker: CircuitBreaker
     pool: str = "regular"
+    kv_events: KVEventSource = None  # None: the worker's HTTP stream
     healthy: bool | None = None
     ever_healthy: bool = False  # False while it may still be starting up
     _streak_ok: int = field(default=0, repr=False)
@@ -48,6 +50,7 @@ class Worker:
             "id": self.worker_id,
             "url": self.url,
             "pool": self.pool,
+            "kv_events": describe(self.kv_events),
             "healthy": self.healthy,
             "circuit": self.breaker.state.value,
         }
@@ -61,13 +64,14 @@ class WorkerRegistry:
         self._workers: dict[str, Worker] = {}
         self._next_index = 0
 
-    def add(self, url: str, pool: str = "regular") -> Worker:
+    def add(self, url: str, pool: str = "regular", kv_events: KVEventSource = None) -> Worker:
         url = url.rstrip("/")
         if not url.startswith(("http://", "https://")):
             raise ValueError(f"worker URL must start with http:// or https://: {url!r}")
         if any(w.url == url for w in self._workers.values()):
             raise ValueError(f"worker {url} is already registered")
-        worker = Worker(f"w{self._next_index}", url, CircuitBreaker(self._breaker_config), pool)
+        breaker = CircuitBreaker(self._breaker_config)
+        worker = Worker(f"w{self._next_index}", url, breaker, pool, kv_events)
         self._next_index += 1
         self._workers[worker.worker_id] = worker
         return worker

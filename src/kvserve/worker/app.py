@@ -12,6 +12,8 @@ own work for a short generation.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import math
 import time
 from collections.abc import AsyncIterator
@@ -35,6 +37,7 @@ from kvserve.worker.json_response import JSONResponse
 from kvserve.worker.metrics import WorkerMetrics
 from kvserve.worker.openai_api import GenerationRoutes, OpenAIEndpoints, build_openai_router
 from kvserve.worker.pd_api import PDService
+from kvserve.worker.vllm_kv_publisher import VllmKVPublisher
 from kvserve.worker.worker_header import WorkerHeaderMiddleware
 
 
@@ -45,13 +48,35 @@ def build_app(config: WorkerConfig, engine: Any) -> ASGIApp:
     worker_id = config.resolved_worker_id
     pd = PDService(config, bridge, metrics) if config.role != "mixed" else None
 
+    if config.kv_events_publisher is not None:
+        engine.events.record_tokens = True  # BlockStored carries the blocks' tokens
+    publisher = (
+        VllmKVPublisher(
+            bridge,
+            config.kv_events_publisher,
+            config.block_size,
+            replay_endpoint=config.kv_events_replay,
+        )
+        if config.kv_events_publisher is not None
+        else None
+    )
+
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        if publisher is not None:
+            publisher.open()  # a taken port fails the start here
         bridge.start()
+        publishing = asyncio.create_task(publisher.run()) if publisher else None
         try:
             async with pd.serving() if pd else nullcontext():
                 yield
         finally:
+            if publishing is not None:
+                publishing.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await publishing
+            if publisher is not None:
+                publisher.close()
             await bridge.shutdown()
 
     app = FastAPI(title="kvserve worker", lifespan=lifespan, default_response_class=JSONResponse)

@@ -52,6 +52,9 @@ class WorkerConfig:
     pd: PDConfig = field(default_factory=PDConfig)  # prefill and decode roles only
     kv_tiers: KVTierConfig = field(default_factory=KVTierConfig)  # host and storage tiers
     kv_transfer: KVTransfer = "tcp"  # how PD blocks travel: built-in TCP or Mooncake's engine
+    # KV events on ZMQ in vLLM's format too (worker/vllm_kv_publisher.py), and its replay
+    kv_events_publisher: str | None = None
+    kv_events_replay: str | None = None
 
     @property
     def resolved_worker_id(self) -> str:
