@@ -127,7 +127,9 @@ def register(app: typer.Typer) -> None:
             ),
         ] = None,
     ) -> None:
-        """Start workers and a router on this machine; Ctrl-C stops everything."""
+        """Start workers and a router on this machine and keep them running: a worker that
+        exits is restarted on its port (with backoff; crash loops are reported). Ctrl-C
+        stops everything; so does the router's exit."""
         from kvserve.router.local_fleet import LocalFleet, StartError, port_taken
 
         if policy not in POLICY_NAMES:
@@ -192,8 +194,13 @@ def register(app: typer.Typer) -> None:
                 f' "content": "Hello!"}}], "max_tokens": 16}}\'\n'
                 "Ctrl-C to stop.",
             )
-            exited = fleet.wait_for_exit()
-            typer.echo(f"{exited.name} exited unexpectedly:\n{exited.log_tail()}", err=True)
+            for process in fleet.processes:
+                typer.echo(fleet.started_line(process))
+            router = fleet.supervise(lambda line: typer.echo(line, err=True))
+            typer.echo(
+                f"the router {router.exit_reason()}; stopping the fleet:\n{router.log_tail()}",
+                err=True,
+            )
             raise typer.Exit(1)
         except StartError as error:
             typer.echo(str(error), err=True)

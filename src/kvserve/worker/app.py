@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 import time
+import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager, nullcontext
 from typing import Any
@@ -44,6 +45,7 @@ def build_app(config: WorkerConfig, engine: Any) -> ASGIApp:
     metrics = WorkerMetrics(lambda: bridge.state)
     worker_id = config.resolved_worker_id
     pd = PDService(config, bridge, metrics) if config.role != "mixed" else None
+    instance = uuid.uuid4().hex  # a router sees a new one when this worker restarted
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -73,6 +75,7 @@ def build_app(config: WorkerConfig, engine: Any) -> ASGIApp:
                 "worker_id": worker_id,
                 "role": config.role,
                 "model": endpoints.model_name,
+                "instance": instance,
             }
         )
 
