@@ -107,7 +107,11 @@ def build_app(config: WorkerConfig, engine: Any) -> ASGIApp:
             raise APIError(500, f"KV cache invariant broken: {exc}", code="ledger_broken") from exc
         return JSONResponse({"ok": True})
 
-    served: ASGIApp = BodyLimitMiddleware(GenerationRoutes(app, endpoints), config.max_body_bytes)
+    served: ASGIApp = BodyLimitMiddleware(
+        GenerationRoutes(app, endpoints),
+        config.max_body_bytes,
+        config.client_limits.body_timeout_s,
+    )
     if config.api_key is not None:
         served = APIKeyMiddleware(
             served, config.api_key, metrics_without_key=config.metrics_without_key
