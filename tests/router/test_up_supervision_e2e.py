@@ -6,6 +6,7 @@ started streaming are retried, and nothing stays held afterwards."""
 from __future__ import annotations
 
 import os
+import re
 import signal
 import time
 from collections.abc import Callable, Iterator
@@ -35,6 +36,10 @@ def wait_for(condition: Callable[[], object], timeout_s: float, what: str) -> No
     while not condition():
         assert time.monotonic() < deadline, f"not within {timeout_s}s: {what}"
         time.sleep(0.1)
+
+
+def started_more_than(up: ServerProcess, name: str, starts: int) -> Callable[[], bool]:
+    return lambda: len(worker_pids(up, name)) > starts
 
 
 def listed(up: ServerProcess) -> dict[str, dict[str, object]]:
@@ -166,3 +171,19 @@ def test_a_hung_worker_is_taken_out_and_readmitted_after_sigcont(up) -> None:
     ]
     assert worker_pids(up, "worker0")[-1] == pid  # not restarted: it was alive all along
     assert_nothing_held(up)
+
+
+def test_a_worker_dying_right_after_each_start_is_reported_as_a_crash_loop(up) -> None:
+    pids = worker_pids(up, "worker1")
+    for _ in range(4):  # deaths 2-4 come long before the 30 s that make a stable run
+        os.kill(pids[-1], signal.SIGKILL)
+        wait_for(started_more_than(up, "worker1", len(pids)), 60, "a restart")
+        pids = worker_pids(up, "worker1")
+    log = up.log_tail(400)
+    assert re.search(r"worker1 is crash-looping \([34] quick exits in a row\)", log), log
+    delays = [float(d) for d in re.findall(r"^worker1 exited .* in ([\d.]+)s on", log, re.M)]
+    assert delays[-3:] == sorted(delays[-3:]) and delays[-1] >= 2.0, delays  # backing off
+    report = log[log.rindex("is crash-looping") :]
+    assert "worker1.log) ends:" in report and "kvserve worker" in report  # its log's tail
+    wait_for(lambda: serves(up, "w1"), HEAL_DEADLINE_S, "back after the crash loop")
+    assert up.alive()
