@@ -187,3 +187,14 @@ def test_a_worker_dying_right_after_each_start_is_reported_as_a_crash_loop(up) -
     assert "worker1.log) ends:" in report and "kvserve worker" in report  # its log's tail
     wait_for(lambda: serves(up, "w1"), HEAL_DEADLINE_S, "back after the crash loop")
     assert up.alive()
+
+
+def test_up_exits_when_its_router_dies_and_takes_the_workers_with_it(up) -> None:
+    worker_urls = [str(w["url"]) for w in listed(up).values()]
+    (router_pid,) = worker_pids(up, "router")
+    os.kill(router_pid, signal.SIGKILL)
+    assert up.process.wait(timeout=60) == 1
+    assert "the router exited (killed by SIGKILL); stopping the fleet" in up.log_tail(100)
+    for url in worker_urls:
+        with pytest.raises(httpx.TransportError):  # refused, or reset by a dying server
+            httpx.get(url + "/health", timeout=2.0)

@@ -185,6 +185,8 @@ def register(app: typer.Typer) -> None:
         typer.echo(f"starting {workers} worker(s) (logs: {log_dir}) ...")
         try:
             fleet.start(start_timeout)
+            for process in fleet.processes:  # before "is up": whoever waits for it may kill
+                typer.echo(fleet.started_line(process))
             typer.echo(
                 f"\nkvserve is up: {fleet.url}/v1  ({workers} workers, policy {policy})\n"
                 f"dashboard: {fleet.url}/dashboard\n"
@@ -194,11 +196,10 @@ def register(app: typer.Typer) -> None:
                 f' "content": "Hello!"}}], "max_tokens": 16}}\'\n'
                 "Ctrl-C to stop.",
             )
-            for process in fleet.processes:
-                typer.echo(fleet.started_line(process))
             router = fleet.supervise(lambda line: typer.echo(line, err=True))
             typer.echo(
-                f"the router {router.exit_reason()}; stopping the fleet:\n{router.log_tail()}",
+                f"the router exited ({router.exit_reason()}); stopping the fleet:\n"
+                f"{router.log_tail()}",
                 err=True,
             )
             raise typer.Exit(1)
