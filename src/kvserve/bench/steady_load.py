@@ -56,6 +56,7 @@ class SteadyLoad:
         self._stopping = threading.Event()
         self._lock = threading.Lock()
         self._outcomes: list[Outcome] = []
+        self._in_flight: dict[int, tuple[float, bool]] = {}  # client: (started, streamed)
         self._thread = threading.Thread(target=lambda: asyncio.run(self._run()), daemon=True)
 
     def start(self) -> SteadyLoad:
@@ -66,6 +67,11 @@ class SteadyLoad:
         """The requests ended so far."""
         with self._lock:
             return list(self._outcomes)
+
+    def in_flight(self, *, streamed: bool) -> list[float]:
+        """When the requests still waiting for their end were sent (streamed or not)."""
+        with self._lock:
+            return [t for t, s in self._in_flight.values() if s == streamed]
 
     def stop(self, timeout_s: float = 120.0) -> list[Outcome]:
         """Let each client finish its request in flight; every request's outcome."""
@@ -83,8 +89,12 @@ class SteadyLoad:
     async def _client(self, session: aiohttp.ClientSession, index: int) -> None:
         sent = 0
         while not self._stopping.is_set():
-            outcome = await self._one(session, stream=(index + sent) % 2 == 0, n=sent)
+            stream = (index + sent) % 2 == 0
             with self._lock:
+                self._in_flight[index] = (time.monotonic(), stream)
+            outcome = await self._one(session, stream=stream, n=sent)
+            with self._lock:
+                del self._in_flight[index]
                 self._outcomes.append(outcome)
             sent += 1
 

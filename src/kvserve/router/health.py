@@ -5,7 +5,8 @@ Every worker is checked each ``interval_s`` (60 s by default, as the gateways do
 failed; its breaker not closed) is checked every second, so that a dead or hung worker is
 taken out, and a returning one readmitted, within seconds. A kvserve worker's ``/health``
 names its process (``instance``): a new name means the worker restarted, which is
-counted (``kvserve_router_worker_restarts``) and readmits it at once.
+counted (``kvserve_router_worker_restarts``) and readmits it at once. A worker taken
+out has the attempts still waiting for its answer retried elsewhere (``taken_out.py``).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import orjson
 
 from kvserve.router.config import HealthCheckConfig
 from kvserve.router.metrics import RouterMetrics
+from kvserve.router.taken_out import take_out
 from kvserve.router.worker_registry import Worker, WorkerRegistry
 
 log = logging.getLogger(__name__)
@@ -70,6 +72,8 @@ class HealthChecker:
                 worker.url,
                 "healthy" if worker.healthy else "unhealthy",
             )
+            if not worker.healthy and (cancelled := take_out(worker)):
+                log.warning("retrying %d requests waiting on %s elsewhere", cancelled, worker.url)
         self._metrics.worker_healthy.labels(worker.worker_id).set(1 if worker.healthy else 0)
         return ok
 

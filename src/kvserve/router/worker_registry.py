@@ -4,9 +4,13 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from kvserve.router.circuit_breaker import BreakerState, CircuitBreaker
 from kvserve.router.config import CircuitBreakerConfig, HealthCheckConfig
+
+if TYPE_CHECKING:
+    from kvserve.router.taken_out import AnswerWatch
 
 
 @dataclass
@@ -20,6 +24,8 @@ class Worker:
     healthy: bool | None = None
     ever_healthy: bool = False  # False while it may still be starting up
     instance: str | None = None  # the process its /health last named, if it names one
+    # Attempts waiting for its answer's headers (see router/taken_out.py).
+    waiting_for_answer: set[AnswerWatch] = field(default_factory=set, repr=False)
     _streak_ok: int = field(default=0, repr=False)
     _streak_failed: int = field(default=0, repr=False)
 
