@@ -13,8 +13,9 @@ each on the next worker:
 Per fault it reports the requests that ended in the fault's window: answered in full,
 failed (no answer, or an error status), streams cut mid-way (only a stream the victim had
 started may be), retries the router made (``kvserve_router_retries``), the slowest
-request; and the times from the fault to the router taking the worker out (``detect``)
-and to the worker answering a request again (``heal``).
+request (and the slowest unstreamed one); and the times from the fault to the router
+taking the worker out (``detect``) and to the worker answering a request again
+(``heal``).
 
 Run: ``python benchmarks/chaos.py [--workers 3] [--clients 8] [--faults kill,stop,kill,stop]
 [--stop-seconds 10] [--out runs/chaos.json]``
@@ -109,15 +110,20 @@ def summarize(outcomes: list[Outcome], start: float, end: float) -> dict:
         "answered": sum(o.complete for o in window),
         "failed": sum(o.status is None or o.status != 200 for o in window),
         "streams_cut": sum(o.status == 200 and not o.complete for o in window),
-        "slowest_s": round(max((o.ended - o.started for o in window), default=0.0), 2),
+        "slowest_s": _slowest(window),
+        "slowest_unstreamed_s": _slowest([o for o in window if not o.streamed]),
     }
+
+
+def _slowest(outcomes: list[Outcome]) -> float:
+    return round(max((o.ended - o.started for o in outcomes), default=0.0), 2)
 
 
 def _counts(summary: dict) -> str:
     return (
         f"{summary['requests']} requests: {summary['answered']} answered, "
         f"{summary['failed']} failed, {summary['streams_cut']} streams cut, "
-        f"slowest {summary['slowest_s']}s"
+        f"slowest {summary['slowest_s']}s (unstreamed {summary['slowest_unstreamed_s']}s)"
     )
 
 
