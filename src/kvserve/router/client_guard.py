@@ -43,11 +43,12 @@ class GuardedRequestHandler(RequestHandler):
 
     def __init__(self, manager: web.Server, *, limits: ClientLimits, **kwargs: Any) -> None:
         super().__init__(manager, **kwargs)
+        self._web_server = manager  # its connections are counted
         self._limits = limits
         self._refused: asyncio.Transport | None = None  # answered 503, closing
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        if len(self._manager.connections) >= self._limits.max_connections:  # type: ignore[union-attr]
+        if len(self._web_server.connections) >= self._limits.max_connections:
             self._refuse(cast(asyncio.Transport, transport))
             return
         super().connection_made(transport)
@@ -60,7 +61,7 @@ class GuardedRequestHandler(RequestHandler):
         message = f"The router serves at most {self._limits.max_connections} connections."
         transport.write(raw_error_response(503, message, "too_many_connections"))
         transport.write_eof()
-        self._loop.call_later(_REFUSED_LINGER_S, transport.close)
+        asyncio.get_running_loop().call_later(_REFUSED_LINGER_S, transport.close)
 
     def connection_lost(self, exc: BaseException | None) -> None:
         if self._refused is None:  # a refused connection was never registered or started
