@@ -43,3 +43,7 @@ def test_oversized_headers_get_431(router: ServerProcess) -> None:
 
 def test_connections_past_the_cap_get_503(router: ServerProcess) -> None:
     checks.connections_past_the_cap_get_503(router.url, "/health", {})
+
+
+def test_headers_that_never_end_get_431(router: ServerProcess) -> None:
+    checks.headers_that_never_end_get_431(router.url)

@@ -87,3 +87,15 @@ def connections_past_the_cap_get_503(url: str, path: str, headers: dict[str, str
     while httpx.get(url + path, headers=headers, timeout=30).status_code != 200:
         assert time.monotonic() < deadline, "still refused after the connections closed"
         time.sleep(0.05)
+
+
+def headers_that_never_end_get_431(url: str) -> None:
+    """Header bytes past the bound with no end in sight: refused before they end."""
+    head = b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nx-endless: "
+    sock = stalled(url, head + b"a" * (MAX_HEADER_BYTES * 2))
+    try:
+        got = answer(sock, timeout_s=HEADER_TIMEOUT_S - 1)  # before any header deadline
+    finally:
+        sock.close()
+    assert status_of(got) == 431, got
+    assert orjson.loads(got.split(b"\r\n\r\n", 1)[1])["error"]["code"] == "headers_too_large"

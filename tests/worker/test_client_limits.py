@@ -41,3 +41,7 @@ def test_oversized_headers_get_431(guarded: ServerProcess) -> None:
 
 def test_connections_past_the_cap_get_503(guarded: ServerProcess) -> None:
     checks.connections_past_the_cap_get_503(guarded.url, "/load", AUTH)
+
+
+def test_headers_that_never_end_get_431(guarded: ServerProcess) -> None:
+    checks.headers_that_never_end_get_431(guarded.url)
