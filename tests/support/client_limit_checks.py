@@ -77,6 +77,7 @@ def connections_past_the_cap_get_503(url: str, path: str, headers: dict[str, str
         while True:  # the server has taken all of them in once one more is refused
             response = httpx.get(url + path, headers=headers, timeout=30)
             if response.status_code == 503:
+                assert response.json()["error"]["code"] == "too_many_connections"
                 break
             assert time.monotonic() < deadline, response.status_code
             time.sleep(0.05)

@@ -1,12 +1,14 @@
-"""The worker's HTTP protocol: uvicorn's httptools protocol with a header deadline and a
-header size bound (see :mod:`kvserve.core.client_limits`).
+"""The worker's HTTP protocol: uvicorn's httptools protocol with a header deadline, a
+header size bound and a connection cap (see :mod:`kvserve.core.client_limits`).
 
-uvicorn bounds idle keep-alive connections and, with ``limit_concurrency``, the number of
-connections; but a connection that sent part of a request waits forever, and httptools
-buffers headers of any size. This protocol arms a deadline at the connection's first
+uvicorn bounds idle keep-alive connections, but a connection that sent part of a
+request waits forever, httptools buffers headers of any size, and uvicorn's own
+``limit_concurrency`` answers in plain text. This protocol arms a deadline at the connection's first
 moment and at each request's first byte, disarmed when the headers are complete: a
 client still sending headers then gets a 408 and is closed. Headers past the size bound
-get a 431 (closed at once if they never end; answered by an ASGI app if they did).
+get a 431 (closed at once if they never end; answered by an ASGI app if they did); a
+request on a connection past the cap (or past as many requests at once) gets a 503 with
+OpenAI's body.
 """
 
 from __future__ import annotations
@@ -65,11 +67,29 @@ class _GuardedHttpToolsProtocol(HttpToolsProtocol):
         self._disarm_header_deadline()
         size = len(self.url) + sum(len(name) + len(value) + 4 for name, value in self.headers)
         self._header_bytes = 0
-        if size <= self._limits.max_header_bytes:
+        limits = self._limits
+        if size > limits.max_header_bytes:
+            refusal = APIError(
+                431,
+                _HEADERS_TOO_LARGE.format(limits.max_header_bytes),
+                code="headers_too_large",
+                error_type="invalid_request_error",
+            )
+        elif (  # this connection is counted already, this request's task not yet
+            len(self.connections) > limits.max_connections
+            or len(self.tasks) >= limits.max_connections
+        ):
+            refusal = APIError(
+                503,
+                f"The worker serves at most {limits.max_connections} connections.",
+                code="too_many_connections",
+                error_type="service_unavailable",
+            )
+        else:
             super().on_headers_complete()
             return
-        served, self.app = self.app, _headers_too_large(self._limits.max_header_bytes)
-        try:  # uvicorn's own path, with the refusal as the app (as for its 503)
+        served, self.app = self.app, _answer(refusal)
+        try:  # uvicorn's own path, with the refusal as the app
             super().on_headers_complete()
         finally:
             self.app = served
@@ -98,14 +118,10 @@ class _GuardedHttpToolsProtocol(HttpToolsProtocol):
             self.transport.close()
 
 
-def _headers_too_large(limit: int) -> object:
+def _answer(error: APIError) -> object:
+    """An ASGI app that answers every request with ``error``."""
+
     async def app(scope: Scope, receive: Receive, send: Send) -> None:
-        error = APIError(
-            431,
-            _HEADERS_TOO_LARGE.format(limit),
-            code="headers_too_large",
-            error_type="invalid_request_error",
-        )
         await error.response()(scope, receive, send)
 
     return app

@@ -72,7 +72,6 @@ def serve(config: WorkerConfig) -> None:
             port=config.port,
             loop="uvloop",
             http=guarded_http_protocol(config.client_limits),
-            limit_concurrency=config.client_limits.max_connections,
             lifespan="on",
             access_log=False,
             log_level="warning",
