@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from kvserve.router.local_fleet import KVSERVE_COMMAND, ServerProcess, free_port
-from tests.support.metrics_text import by_label, samples
+from tests.support.metrics_text import by_label, samples, wait_until_indexed
 from tests.support.processes import start_router
 
 PREFILL_GAUGE = "kvserve_router_in_flight_prefill_tokens"
@@ -68,7 +68,8 @@ def test_guard_holds_the_predicted_uncached_tokens_until_the_first_token(
 ) -> None:
     model = httpx.get(router.url + "/v1/models", timeout=10).json()["data"][0]["id"]
     complete(router, model, SHARED)
-    time.sleep(2.5)  # past the speculative TTL: the match comes from the worker's events
+    wait_until_indexed(router.url)  # the worker's own events reached the router
+    time.sleep(2.5)  # a timer, not a sync: the speculative TTL (2 s) has lapsed after it
     prompt = SHARED + " ".join(f"novel{i}" for i in range(120))
     with ThreadPoolExecutor(1) as pool:
         pending = pool.submit(complete, router, model, prompt)
@@ -96,7 +97,9 @@ def test_a_client_leaving_during_tokenization_leaves_nothing_held(router: Server
     long_body = {"model": model, "prompt": "Shared context about tides. " * 40_000, "max_tokens": 1}
     with pytest.raises(httpx.TimeoutException):  # gone while the router tokenizes (~1 s)
         httpx.post(router.url + "/v1/completions", json=long_body, timeout=0.2)
-    time.sleep(2)  # past when its tokenizing would have ended, had the handler gone on
+    # Nothing observable marks an abandoned handler's end: wait past when its tokenizing
+    # (~1 s) would have ended, had it gone on, and check that it never routed.
+    time.sleep(2)
     complete(router, model, "after")
     assert total(router, DECISIONS, "reason") == decisions + 1  # the abandoned one: never routed
     assert total(router, REQUESTS_GAUGE) == 0

@@ -16,6 +16,7 @@ import httpx
 import orjson
 import pytest
 
+from kvserve.engine.pd_import import DEFAULT_LEASE_TTL_S
 from kvserve.router.local_fleet import KVSERVE_COMMAND, ServerProcess
 from tests.support.metrics_text import by_label, samples
 from tests.support.ports import free_port
@@ -210,7 +211,16 @@ def test_client_cut_mid_transfer_releases_everything(fleet: Fleet) -> None:
             + body
         )
         _wait_for_prefill_running(fleet)
+        reserved = [
+            d
+            for d in fleet.decodes
+            if (s := load(d))["free_blocks"] + s["cached_blocks"] < NUM_BLOCKS
+        ]
+        assert reserved, "no decode worker holds a reservation"  # leased blocks, mid-transfer
+    cut_at = time.monotonic()
     assert_at_baseline(fleet)
+    # Released when the client left, not when the lease lapsed.
+    assert time.monotonic() - cut_at < DEFAULT_LEASE_TTL_S / 3
     assert complete(fleet.router.url, words("after-cut", 100)).status_code == 200
 
 

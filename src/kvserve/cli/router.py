@@ -6,6 +6,9 @@ from typing import Annotated, cast
 
 import typer
 
+from kvserve.cli.client_limit_options import LIMITS, client_limit
+from kvserve.core.client_limits import ClientLimits
+
 _TUNING = "Policy tuning"
 _RELIABILITY = "Retries, circuit breaker, health checks"
 _PD = "Prefill/decode disaggregation"
@@ -137,6 +140,18 @@ def register(app: typer.Typer) -> None:
                 "5 ms, a GPU's; on a CPU a decode costs about what a prompt token does)."
             ),
         ] = None,
+        header_timeout: Annotated[float, client_limit("Seconds a request's headers may take.")] = (
+            LIMITS.header_timeout_s
+        ),
+        body_timeout: Annotated[float, client_limit("Seconds a request's body may take.")] = (
+            LIMITS.body_timeout_s
+        ),
+        max_header_bytes: Annotated[int, client_limit("Request line and headers (431 beyond).")] = (
+            LIMITS.max_header_bytes
+        ),
+        max_connections: Annotated[int, client_limit("Connections at once (503 beyond).")] = (
+            LIMITS.max_connections
+        ),
     ) -> None:
         """Route OpenAI requests over workers (defaults match sglang-router's)."""
         from kvserve.core.routing.cache_aware import CacheAwareConfig
@@ -201,6 +216,9 @@ def register(app: typer.Typer) -> None:
                 ),
                 request_timeout_s=request_timeout,
                 max_request_bytes=max_request_bytes,
+                client_limits=ClientLimits(
+                    header_timeout, body_timeout, max_header_bytes, max_connections
+                ),
             )
         except ValueError as error:
             raise typer.BadParameter(str(error)) from error

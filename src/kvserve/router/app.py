@@ -18,6 +18,7 @@ from kvserve.core.routing.kv_index import TIERS
 from kvserve.core.routing.policies.kv_aware import KvAwarePolicy
 from kvserve.core.routing.types import WorkerLoad
 from kvserve.router.access import bearer_matches, control_plane_refusal, unauthorized
+from kvserve.router.client_guard import client_limits_middleware, serve
 from kvserve.router.config import RouterConfig
 from kvserve.router.dashboard.data import dashboard_data
 from kvserve.router.dashboard.routes import DashboardRoutes
@@ -107,7 +108,10 @@ class Router:
         self.policy.observe_load(load)
 
     def build_app(self) -> web.Application:
-        app = web.Application(client_max_size=self.config.max_request_bytes)
+        app = web.Application(
+            client_max_size=self.config.max_request_bytes,
+            middlewares=[client_limits_middleware(self.config.client_limits)],
+        )
         app.cleanup_ctx.append(self.lifecycle)
         app.add_routes(
             [
@@ -276,12 +280,7 @@ def run_router(config: RouterConfig) -> None:
     everything the request holds (see :mod:`kvserve.router.proxy`)."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     _collect_garbage_less_often()
-    web.run_app(
-        Router(config).build_app(),
-        loop=_fast_event_loop(),
-        host=config.host,
-        port=config.port,
-        handler_cancellation=True,
-        access_log=None,
-        print=lambda _: log.info("kvserve router on http://%s:%d", config.host, config.port),
-    )
+    loop = _fast_event_loop() or asyncio.new_event_loop()
+    asyncio.set_event_loop(loop)
+    app = Router(config).build_app()
+    loop.run_until_complete(serve(app, config.host, config.port, config.client_limits))

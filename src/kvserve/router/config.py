@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from kvserve.core.client_limits import ClientLimits
 from kvserve.core.routing.cache_aware import CacheAwareConfig
 from kvserve.core.routing.kv_aware import KvAwareConfig
 from kvserve.core.routing.pd_pair import PDConfig
@@ -71,6 +72,7 @@ class RouterConfig:
     health: HealthCheckConfig = field(default_factory=HealthCheckConfig)
     request_timeout_s: float = 1800.0
     max_request_bytes: int = 32 * 1024 * 1024
+    client_limits: ClientLimits = field(default_factory=ClientLimits)  # slow or greedy clients
     chars_per_token: float = 4.0  # prefill estimate without a tokenizer
     seed: int | None = None  # for the random policies; None: seeded from the OS
 

@@ -105,6 +105,13 @@ class RouterMetrics:
             ["worker"],
             registry=self.registry,
         )
+        self.worker_restarts = per(
+            Counter,
+            "kvserve_router_worker_restarts",
+            "Times a worker's /health named a new instance: it restarted (a fast-rising "
+            "count is a crash loop).",
+            "worker",
+        )
         self.kv_index_blocks = Gauge(
             "kvserve_router_kv_index_blocks",
             "KV blocks the router's index holds, per worker and tier, as the workers' KV "

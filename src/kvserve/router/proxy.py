@@ -28,6 +28,7 @@ from kvserve.router.metrics import RouterMetrics
 from kvserve.router.prompt_preparer import PromptPreparer
 from kvserve.router.retry import RETRYABLE_STATUSES, backoff_delays
 from kvserve.router.route_query import build_route_query
+from kvserve.router.taken_out import AnswerWatch
 from kvserve.router.usage import StreamUsageReader, cached_tokens_in_body
 from kvserve.router.worker_registry import Worker, WorkerRegistry
 
@@ -152,9 +153,13 @@ class Proxy:
         )
         url, headers = self._upstream(request, worker, decision)
         try:
-            async with self._session.post(
-                url, data=raw, headers=headers, timeout=self._timeout
-            ) as upstream:
+            async with (
+                AnswerWatch(worker) as watch,
+                self._session.post(
+                    url, data=raw, headers=headers, timeout=self._timeout
+                ) as upstream,
+            ):
+                watch.disarm()  # it answered: slow from here on, maybe, but not hung
                 attempt.headers |= self._served_by(decision, upstream)
                 if upstream.status == 401 and not self._passes_client_key:
                     await upstream.read()

@@ -16,6 +16,7 @@ import asyncio
 import contextlib
 import math
 import time
+import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager, nullcontext
 from typing import Any
@@ -47,6 +48,7 @@ def build_app(config: WorkerConfig, engine: Any) -> ASGIApp:
     metrics = WorkerMetrics(lambda: bridge.state)
     worker_id = config.resolved_worker_id
     pd = PDService(config, bridge, metrics) if config.role != "mixed" else None
+    instance = uuid.uuid4().hex  # a router sees a new one when this worker restarted
 
     if config.kv_events_publisher is not None:
         engine.events.record_tokens = True  # BlockStored carries the blocks' tokens
@@ -98,6 +100,7 @@ def build_app(config: WorkerConfig, engine: Any) -> ASGIApp:
                 "worker_id": worker_id,
                 "role": config.role,
                 "model": endpoints.model_name,
+                "instance": instance,
             }
         )
 
@@ -129,7 +132,11 @@ def build_app(config: WorkerConfig, engine: Any) -> ASGIApp:
             raise APIError(500, f"KV cache invariant broken: {exc}", code="ledger_broken") from exc
         return JSONResponse({"ok": True})
 
-    served: ASGIApp = BodyLimitMiddleware(GenerationRoutes(app, endpoints), config.max_body_bytes)
+    served: ASGIApp = BodyLimitMiddleware(
+        GenerationRoutes(app, endpoints),
+        config.max_body_bytes,
+        config.client_limits.body_timeout_s,
+    )
     if config.api_key is not None:
         served = APIKeyMiddleware(
             served, config.api_key, metrics_without_key=config.metrics_without_key

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal, TypeGuard, get_args
 
+from kvserve.core.client_limits import ClientLimits
 from kvserve.core.routing.pd_pair import PDConfig
 from kvserve.engine.kv_tier_config import KVTierConfig
 
@@ -42,6 +43,8 @@ class WorkerConfig:
     model_name: str | None = None
     # Prompts of 100k+ tokens as JSON token ids are under 1 MiB; 8 MiB leaves margin.
     max_body_bytes: int = 8 * 1024 * 1024
+    # Slow, stalled and greedy clients (see kvserve.core.client_limits).
+    client_limits: ClientLimits = field(default_factory=ClientLimits)
     # On SIGTERM in-flight requests get this long to finish before they are aborted.
     shutdown_timeout_s: float = 30.0
     device: str | None = None
