@@ -437,4 +437,5 @@ class LLMEngine:
             completion_tokens=request.num_output_tokens,
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
+            prompt_token_ids=None if prompt_logprobs is None else request.prompt_token_ids,
         )

@@ -24,6 +24,7 @@ class RequestOutput:
     # Requested with SamplingParams.prompt_logprobs: one per prompt token (None for the
     # first), on the request's first output only.
     prompt_logprobs: list[TokenLogprob | None] | None = None
+    prompt_token_ids: list[int] | None = None  # with prompt_logprobs, for echo
 
 
 @dataclass(slots=True)
