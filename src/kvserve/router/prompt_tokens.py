@@ -22,6 +22,7 @@ from kvserve.core.routing.types import PromptBlocks
 from kvserve.model_folder.chat_template import ChatTemplateError
 from kvserve.model_folder.errors import ModelLoadError
 from kvserve.model_folder.tokenizer import Tokenizer
+from kvserve.router.route_query import completion_prompts
 
 
 def _message_text(content: Any) -> str:
@@ -72,10 +73,11 @@ class PromptHasher:
                 return _PromptText(self.tokenizer.apply_chat_template(chat), False)
         except (ChatTemplateError, jinja2.TemplateError):
             return None
-        prompt = body.get("prompt")
+        prompts = completion_prompts(body)  # a list of prompts is routed on its first
+        prompt = prompts[0] if prompts else None
         if isinstance(prompt, str):
             return _PromptText(prompt, True)
-        if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+        if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
             return prompt
         return None
 
