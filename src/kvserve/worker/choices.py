@@ -78,9 +78,10 @@ class ChoiceSet:
                 index, item = await queue.get()
                 if isinstance(item, BaseException):
                     raise item
-                for plan in self._forks.pop(index, ()):
-                    await self._add(plan)
-                    pumps.append(self._pump(plan.index, self._streams[plan.index], queue))
+                forks = self._forks.pop(index, ())
+                if forks:  # added together: one command batch, admitted in one step
+                    await asyncio.gather(*(self._add(plan) for plan in forks))
+                    pumps += [self._pump(p.index, self._streams[p.index], queue) for p in forks]
                 if item.finished:
                     unfinished -= 1
                 yield index, item
