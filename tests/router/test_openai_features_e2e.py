@@ -131,6 +131,23 @@ def test_n_choices_fork_and_reproduce_their_seeds(client: openai.OpenAI, fleet: 
     assert worker_metric(fleet, "kvserve_forked_choices_total") - forked_before == 3
 
 
+def test_best_of_returns_the_choices_with_the_highest_logprob(client: openai.OpenAI) -> None:
+    """best_of=3, n=2: the two of seeds 5, 6, 7 whose sampled tokens are likeliest."""
+    kwargs = {"model": MODEL, "prompt": PROMPT, "max_tokens": 6, "temperature": 1.0}
+    best = client.completions.create(
+        **kwargs, n=2, best_of=3, seed=5, extra_body={"ignore_eos": True}
+    )
+    assert best.usage is not None and best.usage.completion_tokens == 3 * 6  # all generated
+    alone = []
+    for seed in (5, 6, 7):
+        choice = client.completions.create(**kwargs, seed=seed, logprobs=0).choices[0]
+        assert choice.logprobs is not None
+        alone.append((-sum(choice.logprobs.token_logprobs), seed, choice.text))
+    expected = [text for _, _, text in sorted(alone)[:2]]
+    assert [c.text for c in best.choices] == expected
+    assert [c.index for c in best.choices] == [0, 1] and best.choices[0].logprobs is None
+
+
 def test_a_list_of_prompts_gets_one_choice_each_in_order(client: openai.OpenAI) -> None:
     prompts = ["Hello there", "The cache keeps", "A router"]
     batch = client.completions.create(
@@ -220,6 +237,28 @@ def test_chat_logprobs_streamed_and_not(client: openai.OpenAI) -> None:
         for entry in choice.logprobs.content
     ]
     assert [(e.token, e.logprob) for e in entries] == [(e.token, e.logprob) for e in content]
+
+
+def test_chat_n_choices_streamed_each_open_with_their_role(client: openai.OpenAI) -> None:
+    messages = [{"role": "user", "content": "Name two caches."}]
+    chunks = list(
+        client.chat.completions.create(
+            model=MODEL, messages=messages, max_tokens=4, n=2, seed=3, stream=True,
+            stream_options={"include_usage": True}, extra_body={"ignore_eos": True},
+        )
+    )  # fmt: skip
+    roles = [c.choices[0].index for c in chunks if c.choices and c.choices[0].delta.role]
+    assert sorted(roles) == [0, 1]
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 8
+    collected = client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=4, n=2, seed=3,
+        extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    streamed = {0: "", 1: ""}
+    for chunk in chunks:
+        for choice in chunk.choices:
+            streamed[choice.index] += choice.delta.content or ""
+    assert [c.message.content for c in collected.choices] == [streamed[0], streamed[1]]
 
 
 @pytest.mark.parametrize(

@@ -50,6 +50,9 @@ class ResponseOptions:
     echo_texts: list[str] | None = None  # per prompt: text to put before each choice's
     logprobs: bool = False  # the choices' logprobs are returned
     include_usage: bool = False
+    # best_of: the choices of a prompt returned are this many with the highest sum of
+    # sampled-token logprobs (None: all, in order)
+    keep_best: int | None = None
 
 
 @dataclass(slots=True)
@@ -64,6 +67,7 @@ class _Choice:
     chat_all: list[TokenLogprob] = field(default_factory=list)
     started: bool = False
     last: Any = None  # its latest output
+    cumulative_logprob: float = 0.0  # of its sampled tokens
 
 
 class Generation:
@@ -118,10 +122,8 @@ class Generation:
         if done is None:
             return Response(status_code=499)  # the client is gone; nobody reads this
         choices = [
-            self.fmt.choice(
-                c.plan.index, "".join(c.texts), c.last.finish_reason, self._whole_logprobs(c)
-            )
-            for c in self._choices
+            self.fmt.choice(index, "".join(c.texts), c.last.finish_reason, self._whole_logprobs(c))
+            for index, c in enumerate(self._returned())
         ]
         return JSONResponse(
             self.fmt.response(self.request_id, self.model, self.created, choices, self._usage())
@@ -177,6 +179,7 @@ class Generation:
             self._metrics.forked_choices.inc()
             self._metrics.forked_prompt_tokens.inc(output.num_cached_tokens)
         if output.logprobs is not None:
+            choice.cumulative_logprob += sum(entry.logprob for entry in output.logprobs)
             if self.fmt.chat:
                 choice.chat.extend(output.logprobs)
                 choice.chat_all.extend(output.logprobs)
@@ -184,6 +187,22 @@ class Generation:
                 self._legacy(choice).add(output.logprobs, output.new_token_ids)
         choice.texts.append(text)
         return str(text)
+
+    def _returned(self) -> list[_Choice]:
+        """The choices the response carries, in index order: with ``best_of``, the
+        ``keep_best`` of each prompt with the highest cumulative logprob (ties: the
+        lower index)."""
+        keep = self.options.keep_best
+        per_prompt: dict[int, list[_Choice]] = {}
+        for choice in self._choices:
+            per_prompt.setdefault(choice.plan.prompt_index, []).append(choice)
+        if keep is None or all(len(group) <= keep for group in per_prompt.values()):
+            return self._choices
+        return [
+            choice
+            for group in per_prompt.values()
+            for choice in sorted(group, key=lambda c: -c.cumulative_logprob)[:keep]
+        ]
 
     def _legacy(self, choice: _Choice) -> LegacyLogprobs:
         if choice.legacy is None:

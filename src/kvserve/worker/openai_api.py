@@ -105,8 +105,13 @@ class OpenAIEndpoints:
         if max_tokens == 0:
             prompt_logprobs = body.logprobs or 0
         echo_texts = [self._prompt_text(p) for p in prompts] if body.echo else None
-        options = ResponseOptions(echo_texts, body.logprobs is not None, _stream_usage(body))
-        plans = self._plans(body, prompts, max_tokens, body.logprobs, prompt_logprobs)
+        options = ResponseOptions(
+            echo_texts, body.logprobs is not None, _stream_usage(body), keep_best=body.n
+        )
+        samples = body.samples_per_prompt()
+        # best_of ranks by the sampled tokens' logprobs: computed even if not returned
+        logprobs = body.logprobs if samples == body.n else (body.logprobs or 0)
+        plans = self._plans(body, prompts, max_tokens, logprobs, prompt_logprobs, samples)
         return await self._generate(request, body, COMPLETION, plans, options)
 
     async def chat_completion(self, request: Request, body: ChatCompletionRequest) -> Response:
@@ -114,7 +119,7 @@ class OpenAIEndpoints:
         prompt = self.chat_prompt(body)
         logprobs = body.num_logprobs()
         options = ResponseOptions(None, logprobs is not None, _stream_usage(body))
-        plans = self._plans(body, [prompt], body.requested_max_tokens(), logprobs, None)
+        plans = self._plans(body, [prompt], body.requested_max_tokens(), logprobs, None, body.n)
         return await self._generate(request, body, CHAT, plans, options)
 
     def _prompt_text(self, prompt: str | list[int]) -> str:
@@ -130,18 +135,19 @@ class OpenAIEndpoints:
         max_tokens: int | None,
         logprobs: int | None,
         prompt_logprobs: int | None,
+        samples: int,
     ) -> list[ChoicePlan]:
-        """``n`` choices per prompt, indexed prompt by prompt. Choice ``i`` of a prompt
-        has seed ``seed + i``: reproducible, and the same for a prompt sent alone or in
-        a list. Choices after the first fork from its prompt blocks."""
-        if self.single_choice and len(prompts) * body.n > 1:
+        """``samples`` choices per prompt, indexed prompt by prompt. Choice ``i`` of a
+        prompt has seed ``seed + i``: reproducible, and the same for a prompt sent alone
+        or in a list. Choices after the first fork from its prompt blocks."""
+        if self.single_choice and len(prompts) * samples > 1:
             param = "n" if body.n > 1 else "prompt"
             raise invalid_request(f"{param}: one choice per request on this route", param=param)
         base = _sampling_params(body, max_tokens, logprobs, prompt_logprobs)
         plans = []
         for prompt_index, prompt in enumerate(prompts):
-            first = prompt_index * body.n
-            for sample in range(body.n):
+            first = prompt_index * samples
+            for sample in range(samples):
                 params = base
                 fork_of = None
                 if sample > 0:

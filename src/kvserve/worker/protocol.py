@@ -118,6 +118,10 @@ class CompletionRequest(SamplingRequest):
     functions: Any = None
     function_call: Any = None
 
+    def samples_per_prompt(self) -> int:
+        """Choices generated per prompt: ``best_of`` of them, the ``n`` best returned."""
+        return self.best_of if self.best_of is not None else self.n
+
     def prompts(self) -> list[str] | list[list[int]]:
         """Every prompt of the request, in order."""
         prompt = self.prompt
@@ -128,8 +132,10 @@ class CompletionRequest(SamplingRequest):
         return prompt  # a list of prompts
 
     def unhonoured(self) -> Refusal | None:
-        if self.best_of is not None and self.best_of != self.n:
-            return "best_of", "best_of is supported only equal to n"
+        if self.best_of is not None and self.best_of < self.n:
+            return "best_of", "best_of must be at least n"
+        if self.best_of is not None and self.best_of > self.n and self.stream:
+            return "best_of", "best_of > n cannot be streamed: the best are known at the end"
         if self.max_tokens == 0 and not self.echo:
             # 0 only scores the prompt, which only echo returns
             return "max_tokens", "max_tokens may be 0 only with echo"
