@@ -110,6 +110,15 @@ def test_echo_with_generation_prepends_the_prompt(client: openai.OpenAI) -> None
     assert len(choice.logprobs.tokens) == total
     assert choice.logprobs.token_logprobs[0] is None
     assert all(v is not None for v in choice.logprobs.token_logprobs[1:])
+    streamed = list(
+        client.completions.create(
+            model=MODEL, prompt=PROMPT, max_tokens=3, echo=True, logprobs=1, temperature=0,
+            stream=True, extra_body={"ignore_eos": True},
+        )
+    )  # fmt: skip
+    assert "".join(c.choices[0].text for c in streamed) == choice.text
+    tokens = [t for c in streamed if c.choices[0].logprobs for t in c.choices[0].logprobs.tokens]
+    assert tokens == choice.logprobs.tokens
 
 
 def test_n_choices_fork_and_reproduce_their_seeds(client: openai.OpenAI, fleet: LocalFleet) -> None:
