@@ -70,6 +70,10 @@ class ChoiceSet:
     async def outputs(self) -> AsyncIterator[tuple[int, Any]]:
         """``(choice index, output)`` until every choice has finished; a failed request
         raises its error (``RequestAborted``)."""
+        if len(self._plans) == 1:  # the common case: no task and queue per request
+            async for output in self._streams[0]:
+                yield 0, output
+            return
         queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
         pumps = [self._pump(index, stream, queue) for index, stream in self._streams.items()]
         unfinished = len(self._plans)
