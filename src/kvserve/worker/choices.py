@@ -5,7 +5,9 @@ choice. The ``n`` choices of one prompt are forked sequences over the prompt's K
 not ``n`` prefills: the first choice of each prompt is added at once, and its siblings only
 when its first output arrives. By then its prompt's full blocks are committed to the prefix
 cache and pinned by it, so each sibling matches them (one more pin on the same blocks:
-the ledger allocates the prompt once) and computes only the prompt's last, partial block.
+the ledger allocates the prompt once) and computes, into a block of its own, only the
+block holding the prompt's last token (at most ``block_size`` tokens), whose logits it
+needs to sample.
 """
 
 from __future__ import annotations
