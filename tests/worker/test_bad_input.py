@@ -94,6 +94,9 @@ def test_prompt_beyond_the_context_is_refused(worker: ServerProcess) -> None:
         ([{"role": "wizard", "content": "hi"}], "messages"),
         ([{"role": "user"}], "messages"),
         ([{"role": "user", "content": [{"type": "image_url", "url": "x"}]}], "messages"),
+        ([{"role": "user", "content": "hi", "cache_control": {}}], "messages"),
+        ([{"role": "user", "content": [{"type": "text", "text": "a", "x": 1}]}], "messages"),
+        ([{"role": "assistant", "content": "a", "tool_calls": [{"id": "1"}]}], "messages"),
     ],
 )
 def test_invalid_chat_messages_are_named(worker: ServerProcess, messages: Any, param: str) -> None:
@@ -225,3 +228,14 @@ def test_invalid_chat_parameter_is_named(
     with api(worker) as client:
         response = client.post("/v1/chat/completions", json=body)
     assert_error(response, 400, param)
+
+
+def test_an_assistant_message_replayed_with_null_fields_is_served(worker: ServerProcess) -> None:
+    """What the openai SDK dumps of a response message: the fields it leaves null."""
+    replayed = {"role": "assistant", "content": "hello", "refusal": None, "tool_calls": None}
+    messages = [{"role": "user", "content": "hi", "name": "ann"}, replayed]
+    messages.append({"role": "user", "content": "again"})
+    body = valid(worker, prompt=..., messages=messages)
+    with api(worker) as client:
+        response = client.post("/v1/chat/completions", json=body)
+    assert response.status_code == 200, response.text

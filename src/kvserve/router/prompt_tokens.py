@@ -25,6 +25,14 @@ from kvserve.model_folder.tokenizer import Tokenizer
 from kvserve.router.route_query import completion_prompts
 
 
+def _template_message(message: Mapping[str, Any]) -> dict[str, Any]:
+    """As the worker hands a message to the chat template (role, text, name if given)."""
+    chat = {"role": message.get("role"), "content": _message_text(message.get("content"))}
+    if isinstance(message.get("name"), str):
+        chat["name"] = message["name"]
+    return chat
+
+
 def _message_text(content: Any) -> str:
     if isinstance(content, str):
         return content
@@ -65,11 +73,7 @@ class PromptHasher:
         messages = body.get("messages")
         try:
             if isinstance(messages, list):
-                chat = [
-                    {"role": m.get("role"), "content": _message_text(m.get("content"))}
-                    for m in messages
-                    if isinstance(m, dict)
-                ]
+                chat = [_template_message(m) for m in messages if isinstance(m, dict)]
                 return _PromptText(self.tokenizer.apply_chat_template(chat), False)
         except (ChatTemplateError, jinja2.TemplateError):
             return None

@@ -88,7 +88,7 @@ class OpenAIEndpoints:
         }
 
     def chat_prompt(self, body: ChatCompletionRequest) -> list[int]:
-        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+        messages = [m.template_message() for m in body.messages]
         try:
             token_ids: list[int] = self.backend.engine.tokenizer.encode_chat(messages)
             return token_ids

@@ -143,23 +143,37 @@ class CompletionRequest(SamplingRequest):
 
 
 class TextContentPart(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
+    model_config = ConfigDict(strict=True, extra="forbid")
 
     type: Literal["text"]
     text: str
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
+    """One message; a field the worker does not use is a 400 naming it, except those an
+    SDK sends back null when a client replays an assistant message."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
 
     role: Literal["system", "developer", "user", "assistant"]
     content: str | list[TextContentPart]
-    name: str | None = None
+    name: str | None = None  # handed to the chat template, which may render it
+    refusal: None = None
+    tool_calls: None = None
+    function_call: None = None
+    audio: None = None
 
     def text(self) -> str:
         if isinstance(self.content, str):
             return self.content
         return "".join(part.text for part in self.content)
+
+    def template_message(self) -> dict[str, str]:
+        """What the chat template sees of this message."""
+        message = {"role": self.role, "content": self.text()}
+        if self.name is not None:
+            message["name"] = self.name
+        return message
 
 
 class ChatCompletionRequest(SamplingRequest):
