@@ -50,6 +50,8 @@ def assert_error(response: httpx.Response, status: int, param: str | None) -> di
         ({"prompt": [[1, 2], []]}, "prompt"),
         ({"prompt": [[1, 2], "a"]}, "prompt"),
         ({"prompt": ["a"] * 257}, "prompt"),
+        ({"prompt": ["a"] * 100, "n": 3}, "n"),
+        ({"prompt": ["a", "b", "c"], "best_of": 100}, "best_of"),
         ({"stream_options": {"include_usage": True}}, "stream_options"),
         ({"stream": True, "stream_options": {"include_usage": 1}}, "stream_options"),
         ({"stream": True, "stream_options": {"continuous_usage_stats": True}}, "stream_options"),

@@ -26,6 +26,7 @@ _MAX_STOP_STRINGS = 16
 # engine, so the bound keeps one request from filling the batch on its own.
 MAX_CHOICES = 128
 MAX_PROMPTS = 256
+MAX_CHOICES_PER_REQUEST = 256  # all prompts' choices together
 
 TokenId = Annotated[int, Field(ge=0, le=_MAX_INT32)]
 TokenIds = Annotated[list[TokenId], Field(min_length=1)]
@@ -132,6 +133,9 @@ class CompletionRequest(SamplingRequest):
         return prompt  # a list of prompts
 
     def unhonoured(self) -> Refusal | None:
+        if len(self.prompts()) * self.samples_per_prompt() > MAX_CHOICES_PER_REQUEST:
+            field = "n" if self.best_of is None else "best_of"
+            return field, f"prompts x {field} must be at most {MAX_CHOICES_PER_REQUEST}"
         if self.best_of is not None and self.best_of < self.n:
             return "best_of", "best_of must be at least n"
         if self.best_of is not None and self.best_of > self.n and self.stream:
