@@ -82,3 +82,29 @@ async def test_the_loop_keeps_running_while_long_prompts_are_tokenized(model_dir
 
     await asyncio.gather(*(prepare_long() for _ in range(3)), serve_meanwhile())
     assert events.index("tick") < events.index("long"), events
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"messages": [{"role": "user", "content": "hi", "name": "ann"}]},
+        {"messages": [{"role": "system", "content": "s"}, {"role": "user", "content": "q"}]},
+        {"prompt": ["first prompt routes", "second one does not"]},
+        {"prompt": [[5, 6, 7, 8], [9, 10]]},
+    ],
+)
+def test_the_router_hashes_the_tokens_the_worker_computes_first(model_dir: Path, body) -> None:
+    """The router's tokens of a body are the worker's (chat: the same messages handed to
+    the same template; a list of prompts: its first)."""
+    from kvserve.model_folder.tokenizer import Tokenizer
+    from kvserve.worker.protocol import ChatCompletionRequest, CompletionRequest
+
+    body = {"model": "tiny", **body}
+    tokenizer = Tokenizer(model_dir)
+    if "messages" in body:
+        request = ChatCompletionRequest.model_validate(body)
+        worker = tokenizer.encode_chat([m.template_message() for m in request.messages])
+    else:
+        first = CompletionRequest.model_validate(body).prompts()[0]
+        worker = tokenizer.encode(first) if isinstance(first, str) else first
+    assert PromptHasher(model_dir).prompt_tokens(body) == worker

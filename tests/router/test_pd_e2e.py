@@ -188,6 +188,23 @@ def test_prefill_cache_hits_and_decode_side_reuse(fleet: Fleet) -> None:
     assert_at_baseline(fleet)
 
 
+def test_pd_serves_logprobs_and_refuses_several_choices(fleet: Fleet) -> None:
+    """A PD decode route serves one choice per request: logprobs yes, n > 1 a 400."""
+    response = complete(fleet.router.url, words("lp", 40), logprobs=2)
+    logprobs = response.json()["choices"][0]["logprobs"]
+    assert len(logprobs["tokens"]) == len(logprobs["token_logprobs"]) == GREEDY["max_tokens"]
+    for prompt, field in (("x", "n"), (["x", "y"], "prompt")):
+        extra = {"n": 2} if field == "n" else {}
+        refused = httpx.post(
+            fleet.router.url + "/v1/completions",
+            json={**GREEDY, "prompt": prompt, **extra},
+            timeout=60,
+        )
+        assert refused.status_code == 400, refused.text
+        assert refused.json()["error"]["param"] == field
+    assert_at_baseline(fleet)
+
+
 def _long_prompt(tag: str) -> str:
     return f"{tag} {words('w', 800)}"  # about 3,000 tokens: ~95 prefill steps of 32 tokens
 

@@ -167,6 +167,11 @@ class KVCacheManager:
         ledger.unpin(request.pinned[::-1])  # deepest first: cheapest for the tree
         ledger.free(request.owned_blocks())
 
+    def ref_count(self, block: int) -> int:
+        """Requests pinning a cached block (0 for a free or owned one): a prompt's blocks
+        shared by forked choices are pinned once per choice, allocated once."""
+        return self._ledger.ref_count(block)
+
     def lookup_prefix(self, hashes: Sequence[int]) -> list[int]:
         """The blocks of the longest cached prefix of ``hashes``, not pinned: valid only
         until the next allocation may evict them."""

@@ -11,6 +11,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 _GREEDY_BELOW = 1e-5
+# Alternatives returned per token: OpenAI's own bound for top_logprobs.
+MAX_LOGPROBS = 20
 
 
 class InvalidParameterError(ValueError):
@@ -29,6 +31,11 @@ class SamplingParams:
     disable those filters. ``max_tokens=None`` lets the request run to the end of the
     model's context.
     A ``seed`` makes the request's samples reproducible whatever else is in the batch.
+
+    ``logprobs=k`` returns each sampled token's log-probability and the ``k`` most likely
+    alternatives (0: the sampled token's alone); ``prompt_logprobs=k`` the same for every
+    prompt token but the first, which ``max_tokens=0`` then allows without generating
+    (OpenAI's ``echo`` with ``max_tokens: 0``, which eval harnesses score with).
     """
 
     max_tokens: int | None = 16
@@ -40,6 +47,8 @@ class SamplingParams:
     stop_token_ids: Sequence[int] = field(default_factory=tuple)
     ignore_eos: bool = False
     min_tokens: int = 0
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -53,12 +62,21 @@ class SamplingParams:
 
         Called at construction and again by the engine, since the object is mutable.
         """
+        least = 0 if self.prompt_logprobs is not None else 1
         if self.max_tokens is not None and (
-            not isinstance(self.max_tokens, int) or self.max_tokens < 1
+            not isinstance(self.max_tokens, int) or self.max_tokens < least
         ):
             raise InvalidParameterError(
-                "max_tokens", f"max_tokens must be an integer >= 1, got {self.max_tokens!r}"
+                "max_tokens",
+                f"max_tokens must be an integer >= {least}, got {self.max_tokens!r}"
+                + ("" if least == 0 else " (0 only with prompt logprobs)"),
             )
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or not 0 <= value <= MAX_LOGPROBS):
+                raise InvalidParameterError(
+                    name, f"{name} must be an integer in [0, {MAX_LOGPROBS}], got {value!r}"
+                )
         if not self.temperature >= 0:
             raise InvalidParameterError(
                 "temperature", f"temperature must be >= 0, got {self.temperature!r}"

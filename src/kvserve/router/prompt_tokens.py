@@ -22,6 +22,15 @@ from kvserve.core.routing.types import PromptBlocks
 from kvserve.model_folder.chat_template import ChatTemplateError
 from kvserve.model_folder.errors import ModelLoadError
 from kvserve.model_folder.tokenizer import Tokenizer
+from kvserve.router.route_query import completion_prompts
+
+
+def _template_message(message: Mapping[str, Any]) -> dict[str, Any]:
+    """As the worker hands a message to the chat template (role, text, name if given)."""
+    chat = {"role": message.get("role"), "content": _message_text(message.get("content"))}
+    if isinstance(message.get("name"), str):
+        chat["name"] = message["name"]
+    return chat
 
 
 def _message_text(content: Any) -> str:
@@ -64,18 +73,15 @@ class PromptHasher:
         messages = body.get("messages")
         try:
             if isinstance(messages, list):
-                chat = [
-                    {"role": m.get("role"), "content": _message_text(m.get("content"))}
-                    for m in messages
-                    if isinstance(m, dict)
-                ]
+                chat = [_template_message(m) for m in messages if isinstance(m, dict)]
                 return _PromptText(self.tokenizer.apply_chat_template(chat), False)
         except (ChatTemplateError, jinja2.TemplateError):
             return None
-        prompt = body.get("prompt")
+        prompts = completion_prompts(body)  # a list of prompts is routed on its first
+        prompt = prompts[0] if prompts else None
         if isinstance(prompt, str):
             return _PromptText(prompt, True)
-        if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+        if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
             return prompt
         return None
 

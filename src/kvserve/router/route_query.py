@@ -3,6 +3,12 @@
 The router has no tokenizer, so the prompt is text: the completion prompt, or the chat
 messages flattened in order (role, then content). The same conversation flattens to
 the same prefix, which is all the approximate index needs.
+
+A completion with a list of prompts is one request to one worker: it is routed on its
+first prompt (the worker serves them all, so a cache hit of the first is a real hit, and
+the rest usually share its prefix: eval harnesses batch the same few-shot context), and
+its load is the sum of every prompt's. ``n`` choices do not multiply the load: they fork
+from their prompt's blocks on the worker.
 """
 
 from __future__ import annotations
@@ -29,12 +35,35 @@ def prompt_text(body: Mapping[str, Any]) -> str:
             for m in messages
             if isinstance(m, dict)
         )
-    prompt = body.get("prompt", "")
+    prompts = completion_prompts(body)
+    return _text(prompts[0]) if prompts else ""
+
+
+def completion_prompts(body: Mapping[str, Any]) -> list[str | list[Any]]:
+    """A completion's prompts: one (a string or token ids), or a list of either."""
+    prompt = body.get("prompt")
     if isinstance(prompt, str):
-        return prompt
-    if isinstance(prompt, list):  # a batch of strings, or token ids
-        return "\n".join(p if isinstance(p, str) else str(p) for p in prompt)
-    return ""
+        return [prompt]
+    if not isinstance(prompt, list) or not prompt:
+        return []
+    if all(isinstance(p, str | list) for p in prompt):
+        return list(prompt)
+    return [prompt]  # token ids
+
+
+def _text(prompt: str | list[Any]) -> str:
+    return prompt if isinstance(prompt, str) else "\n".join(str(t) for t in prompt)
+
+
+def prefill_estimate(body: Mapping[str, Any], text: str, chars_per_token: float) -> int:
+    """Prompt tokens the worker will compute: token ids counted, text estimated."""
+    prompts = completion_prompts(body) if "messages" not in body else []
+    if not prompts:
+        return max(1, round(len(text) / chars_per_token))
+    return max(
+        1,
+        sum(round(len(p) / chars_per_token) if isinstance(p, str) else len(p) for p in prompts),
+    )
 
 
 def build_route_query(
@@ -52,6 +81,6 @@ def build_route_query(
         text=text,
         model=model if isinstance(model, str) else "",
         session_key=session_key or None,
-        prefill_tokens=max(1, round(len(text) / chars_per_token)),
+        prefill_tokens=prefill_estimate(body, text, chars_per_token),
         body=body,
     )

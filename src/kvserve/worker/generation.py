@@ -1,8 +1,11 @@
 """One generation request from submission to the last byte, streamed or not.
 
-Whatever ends the request early (the client hanging up, the handler being cancelled at
-shutdown, an engine fault) aborts it in the engine, so that its blocks are freed at once
-and never wait for a generation nobody will read.
+A request is one or more choices (``n`` per prompt, one or more prompts), each an engine
+request (:mod:`kvserve.worker.choices`); their outputs are merged into one response whose
+choices keep their indexes. Whatever ends the request early (the client hanging up, the
+handler being cancelled at shutdown, an engine fault) aborts every choice still running
+in the engine, so that its blocks are freed at once and never wait for a generation
+nobody will read.
 """
 
 from __future__ import annotations
@@ -12,16 +15,21 @@ import itertools
 import time
 import uuid
 from collections.abc import AsyncIterator, Coroutine
-from typing import Any, Protocol, TypeVar
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
 
 import orjson
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.types import Receive
 
+from kvserve.engine.logprobs import TokenLogprob
+from kvserve.worker.choices import ChoicePlan, ChoiceSet
 from kvserve.worker.engine_bridge import RequestAborted
 from kvserve.worker.errors import APIError
+from kvserve.worker.generation_backend import GenerationBackend
 from kvserve.worker.json_response import JSONResponse
+from kvserve.worker.logprob_format import LegacyLogprobs, TokenTexts, chat_logprobs
 from kvserve.worker.metrics import RequestTimer, WorkerMetrics
 from kvserve.worker.responses import ResponseFormat, usage
 
@@ -35,119 +43,201 @@ _PROCESS_TAG = uuid.uuid4().hex[:12]
 _REQUEST_NUMBERS = itertools.count()
 
 
-class OutputStream(Protocol):
-    """One request's outputs in order (a ``RequestStream``, or a view of one)."""
+@dataclass(frozen=True, slots=True)
+class ResponseOptions:
+    """How the choices' outputs are shown: echoed prompts, logprobs, usage in a stream."""
 
-    @property
-    def finished(self) -> bool: ...
-    def __aiter__(self) -> AsyncIterator[Any]: ...
+    echo_texts: list[str] | None = None  # per prompt: text to put before each choice's
+    logprobs: bool = False  # the choices' logprobs are returned
+    include_usage: bool = False
+    # best_of: the choices of a prompt returned are this many with the highest sum of
+    # sampled-token logprobs (None: all, in order)
+    keep_best: int | None = None
 
 
-class GenerationBackend(Protocol):
-    """What runs generations: the engine thread bridge (``EngineBridge``), or a decode
-    worker's PD session in its place."""
+@dataclass(slots=True)
+class _Choice:
+    """What one choice has produced so far."""
 
-    engine: Any  # the LLMEngine behind it, read for its model name, context and tokenizer
-
-    async def generate(self, request_id: str, prompt: Any, params: Any) -> OutputStream: ...
-    def abort(self, request_id: str) -> None: ...
+    plan: ChoicePlan
+    timer: RequestTimer
+    texts: list[str] = field(default_factory=list)
+    legacy: LegacyLogprobs | None = None  # completions' logprobs
+    chat: list[TokenLogprob] = field(default_factory=list)  # chat's, this delta's
+    chat_all: list[TokenLogprob] = field(default_factory=list)
+    started: bool = False
+    last: Any = None  # its latest output
+    cumulative_logprob: float = 0.0  # of its sampled tokens
 
 
 class Generation:
     """The per-request context shared by the streamed and the collected paths."""
 
     def __init__(
-        self, backend: GenerationBackend, metrics: WorkerMetrics, fmt: ResponseFormat, model: str
+        self,
+        backend: GenerationBackend,
+        metrics: WorkerMetrics,
+        fmt: ResponseFormat,
+        model: str,
+        plans: list[ChoicePlan],
+        options: ResponseOptions,
+        token_texts: TokenTexts,
     ) -> None:
-        self.backend = backend
         self.fmt = fmt
         self.model = model
+        self.options = options
         self.request_id = f"{fmt.id_prefix}{_PROCESS_TAG}{next(_REQUEST_NUMBERS):08x}"
         self.created = int(time.time())
-        self.timer: RequestTimer = metrics.start_request()
+        self._metrics = metrics
+        self._texts = token_texts
+        self._choice_set = ChoiceSet(backend, self.request_id, plans)
+        self._choices = [_Choice(plan, metrics.start_request()) for plan in plans]
+        # Prompt logprobs come with the first choice of each prompt; its siblings and
+        # echo copy them.
+        self._prompt_logprobs: dict[int, tuple[list[int], list[TokenLogprob | None]]] = {}
 
-    async def respond(
-        self, request: Request, prompt: Any, params: Any, *, stream: bool, include_usage: bool
-    ) -> Response:
-        outputs = await self.backend.generate(self.request_id, prompt, params)
+    async def respond(self, request: Request, *, stream: bool) -> Response:
+        await self._choice_set.start()
         if stream:
-            return StreamingResponse(
-                self._events(outputs, include_usage), media_type="text/event-stream"
-            )
+            return StreamingResponse(self._events(), media_type="text/event-stream")
         try:
-            return await self._collect(request.receive, outputs)
+            return await self._collect(request.receive)
         finally:
-            self._abort_unless_finished(outputs)
+            self._abort_unfinished()
 
-    def _abort_unless_finished(self, outputs: OutputStream) -> None:
-        if not outputs.finished:
-            self.backend.abort(self.request_id)
-            self.timer.on_abort()
+    def _abort_unfinished(self) -> None:
+        for index in self._choice_set.abort_unfinished():
+            self._choices[index].timer.on_abort()
 
-    async def _collect(self, receive: Receive, outputs: OutputStream) -> Response:
-        texts: list[str] = []
-
-        async def consume() -> Any:
-            last = None
-            async for output in outputs:
-                self.timer.on_output(output)
-                texts.append(output.new_text)
-                last = output
-            return last
+    async def _collect(self, receive: Receive) -> Response:
+        async def consume() -> bool:
+            async for index, output in self._choice_set.outputs():
+                self._take(self._choices[index], output)
+            return True
 
         try:
-            last = await _unless_disconnected(receive, consume())
+            done = await _unless_disconnected(receive, consume())
         except RequestAborted as exc:
             raise APIError(503, f"Request aborted: {exc}") from exc
-        if last is None:
+        if done is None:
             return Response(status_code=499)  # the client is gone; nobody reads this
-        body = self.fmt.response(
-            self.request_id,
-            self.model,
-            self.created,
-            "".join(texts),
-            last.finish_reason,
-            usage(last.prompt_tokens, last.completion_tokens, last.num_cached_tokens),
+        choices = [
+            self.fmt.choice(index, "".join(c.texts), c.last.finish_reason, self._whole_logprobs(c))
+            for index, c in enumerate(self._returned())
+        ]
+        return JSONResponse(
+            self.fmt.response(self.request_id, self.model, self.created, choices, self._usage())
         )
-        return JSONResponse(body)
 
-    async def _events(self, outputs: OutputStream, include_usage: bool) -> AsyncIterator[bytes]:
-        """Server-sent events; a cancelled iteration (client gone) aborts the request.
+    async def _events(self) -> AsyncIterator[bytes]:
+        """Server-sent events; a cancelled iteration (client gone) aborts the requests.
 
-        A chat stream's role chunk goes out with the first output, not before: the first
-        byte of a stream then means the prompt is computed, which is when a router lets go
-        of the prefill load it holds for the request (sent at once, it would be released
-        before prefill even started)."""
+        A chat stream's role chunk goes out with a choice's first output, not before: the
+        first byte of a stream then means the prompt is computed, which is when a router
+        lets go of the prefill load it holds for the request (sent at once, it would be
+        released before prefill even started)."""
         try:
-            opening = self.fmt.opening_choice()
-            last = None
-            async for output in outputs:
-                if opening is not None:
-                    yield self._sse([opening], include_usage)
-                    opening = None
-                self.timer.on_output(output)
-                last = output
+            async for index, output in self._choice_set.outputs():
+                choice = self._choices[index]
+                if not choice.started:
+                    opening = self.fmt.opening_choice(index)
+                    if opening is not None:
+                        yield self._sse([opening])
+                text = self._take(choice, output)
                 finish = output.finish_reason if output.finished else None
-                if output.new_text or finish is not None:
-                    yield self._sse([self.fmt.delta_choice(output.new_text, finish)], include_usage)
-            if include_usage and last is not None:
-                counts = usage(last.prompt_tokens, last.completion_tokens, last.num_cached_tokens)
-                yield self._sse([], include_usage, counts)
+                logprobs = self._delta_logprobs(choice)
+                if text or finish is not None or logprobs is not None:
+                    yield self._sse([self.fmt.delta_choice(index, text, finish, logprobs)])
+            if self.options.include_usage:
+                yield self._sse([], self._usage())
         except RequestAborted as exc:
             error = APIError(503, f"Request aborted: {exc}")
             yield b"data: " + orjson.dumps(error.body()) + b"\n\n"
         finally:
-            self._abort_unless_finished(outputs)
+            self._abort_unfinished()
         yield _SSE_DONE
 
+    def _take(self, choice: _Choice, output: Any) -> str:
+        """Records one output of a choice; returns the text it adds to the choice."""
+        choice.timer.on_output(output)
+        choice.last = output
+        plan = choice.plan
+        text = output.new_text
+        if output.prompt_logprobs is not None:
+            self._prompt_logprobs[plan.prompt_index] = (
+                output.prompt_token_ids,
+                output.prompt_logprobs,
+            )
+        if not choice.started:
+            choice.started = True
+            if self.options.echo_texts is not None:
+                text = self.options.echo_texts[plan.prompt_index] + text
+                if self.options.logprobs:
+                    token_ids, entries = self._prompt_logprobs[plan.prompt_index]
+                    self._legacy(choice).add(entries, token_ids)
+        if plan.fork_of is not None and output.finished:
+            self._metrics.forked_choices.inc()
+            self._metrics.forked_prompt_tokens.inc(output.num_cached_tokens)
+        if output.logprobs is not None:
+            choice.cumulative_logprob += sum(entry.logprob for entry in output.logprobs)
+            if self.fmt.chat:
+                choice.chat.extend(output.logprobs)
+                choice.chat_all.extend(output.logprobs)
+            else:
+                self._legacy(choice).add(output.logprobs, output.new_token_ids)
+        choice.texts.append(text)
+        return str(text)
+
+    def _returned(self) -> list[_Choice]:
+        """The choices the response carries, in index order: with ``best_of``, the
+        ``keep_best`` of each prompt with the highest cumulative logprob (ties: the
+        lower index)."""
+        keep = self.options.keep_best
+        per_prompt: dict[int, list[_Choice]] = {}
+        for choice in self._choices:
+            per_prompt.setdefault(choice.plan.prompt_index, []).append(choice)
+        if keep is None or all(len(group) <= keep for group in per_prompt.values()):
+            return self._choices
+        return [
+            choice
+            for group in per_prompt.values()
+            for choice in sorted(group, key=lambda c: -c.cumulative_logprob)[:keep]
+        ]
+
+    def _legacy(self, choice: _Choice) -> LegacyLogprobs:
+        if choice.legacy is None:
+            choice.legacy = LegacyLogprobs(self._texts)
+        return choice.legacy
+
+    def _whole_logprobs(self, choice: _Choice) -> dict[str, Any] | None:
+        if not self.options.logprobs:
+            return None
+        if self.fmt.chat:
+            return chat_logprobs(choice.chat_all, self._texts)
+        return self._legacy(choice).whole()
+
+    def _delta_logprobs(self, choice: _Choice) -> dict[str, Any] | None:
+        if not self.options.logprobs:
+            return None
+        if self.fmt.chat:
+            entries, choice.chat = choice.chat, []
+            return chat_logprobs(entries, self._texts) if entries else None
+        return self._legacy(choice).take()
+
+    def _usage(self) -> dict[str, Any]:
+        """Prompt tokens once per prompt, completion tokens of every choice."""
+        firsts = [c.last for c in self._choices if c.plan.fork_of is None]
+        return usage(
+            sum(o.prompt_tokens for o in firsts),
+            sum(c.last.completion_tokens for c in self._choices),
+            sum(o.num_cached_tokens for o in firsts),
+        )
+
     def _sse(
-        self,
-        choices: list[dict[str, Any]],
-        include_usage: bool,
-        usage_body: dict[str, Any] | None = None,
+        self, choices: list[dict[str, Any]], usage_body: dict[str, Any] | None = None
     ) -> bytes:
         body = self.fmt.chunk(self.request_id, self.model, self.created, choices)
-        if include_usage:
+        if self.options.include_usage:
             body["usage"] = usage_body
         return b"data: " + orjson.dumps(body) + b"\n\n"
 
