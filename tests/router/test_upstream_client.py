@@ -189,3 +189,22 @@ async def test_a_header_with_a_line_break_is_refused(client: UpstreamClient) -> 
         with pytest.raises(ValueError, match="line break"):
             async with client.post(server.url + "/x", data=b"{}", headers={"X-A": "a\r\nX-B: b"}):
                 pass
+
+
+async def test_a_large_body_arrives_whole_and_keeps_the_connection(client: UpstreamClient) -> None:
+    """Many socket reads make one body, and the connection stays reusable after it."""
+    big = bytes(range(256)) * (4 * 4096)  # 4 MiB
+
+    async def large(_request: bytes, writer: asyncio.StreamWriter) -> None:
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % len(big))
+        writer.write(big)
+        await writer.drain()
+
+    async with ScriptedServer(large) as server:
+        for _ in range(2):
+            async with client.post(server.url + "/x", data=b"{}", headers={}) as r:
+                received = bytearray()
+                async for chunk in r.content.iter_any():
+                    received += chunk
+            assert bytes(received) == big
+        assert server.connections == 1

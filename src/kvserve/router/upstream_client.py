@@ -135,6 +135,8 @@ class _Connection(asyncio.Protocol):
 
     def start_request(self, request: bytes) -> None:
         assert self.transport is not None
+        if self._paused:  # the last response completed while paused, and was not all read
+            self.transport.resume_reading()
         self._reset_response()
         self.transport.write(request)
 
