@@ -51,6 +51,7 @@ class Router:
         self.metrics = RouterMetrics()
         self.tracker = LoadTracker(on_change=self._load_changed)
         self.registry = WorkerRegistry(config.circuit_breaker)
+        self.metrics.show_loads(self._loads_to_show)
         for url, source in zip(config.worker_urls, config.kv_event_sources(), strict=True):
             self.registry.add(url, kv_events=source)
         for pool, urls in (("prefill", config.prefill_urls), ("decode", config.decode_urls)):
@@ -97,14 +98,20 @@ class Router:
             if isinstance(self._proxy, PDProxy):  # decode headroom for the pair choice
                 tasks.append(asyncio.create_task(self._proxy.poll_decode_loads_forever()))
             yield
+            self._proxy.upstream.close()
             for task in tasks:
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
 
+    def _loads_to_show(self) -> list[WorkerLoad]:
+        """Every registered worker's held load, and that of removed ones still held."""
+        ids = dict.fromkeys([w.worker_id for w in self.registry.all()])
+        ids.update(dict.fromkeys(self.tracker.held_worker_ids()))
+        return [self.tracker.load(worker_id) for worker_id in ids]
+
     def _load_changed(self, load: WorkerLoad) -> None:
-        """Guards changed: the gauges show it, the policy reorders its workers."""
-        self.metrics.show_load(load)
+        """Guards changed: the policy reorders its workers (the gauges read the tracker)."""
         self.policy.observe_load(load)
 
     def build_app(self) -> web.Application:

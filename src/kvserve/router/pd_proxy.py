@@ -38,6 +38,7 @@ from kvserve.router.load_guard import Guard, LoadGuard, LoadTracker
 from kvserve.router.metrics import RouterMetrics
 from kvserve.router.prompt_preparer import PromptPreparer
 from kvserve.router.proxy import Proxy
+from kvserve.router.upstream_client import UpstreamResponse
 from kvserve.router.worker_registry import Worker, WorkerRegistry
 
 PREFILL_HEADER = "x-kvserve-prefill"
@@ -132,9 +133,7 @@ class PDProxy(Proxy):
             headers[PREFILL_HEADER] = prefill.url
         return worker.url + "/pd" + request.path, headers
 
-    def _served_by(
-        self, decision: RoutingDecision, upstream: aiohttp.ClientResponse
-    ) -> dict[str, str]:
+    def _served_by(self, decision: RoutingDecision, upstream: UpstreamResponse) -> dict[str, str]:
         """The decode worker's word on how the prompt was prefilled, and the prefill worker
         when its KV was used (not when the decode worker fell back to prefilling itself)."""
         path = upstream.headers.get(PATH_HEADER)

@@ -29,6 +29,7 @@ from kvserve.router.prompt_preparer import PromptPreparer
 from kvserve.router.retry import RETRYABLE_STATUSES, backoff_delays
 from kvserve.router.route_query import build_route_query
 from kvserve.router.taken_out import AnswerWatch
+from kvserve.router.upstream_client import UpstreamClient, UpstreamResponse
 from kvserve.router.usage import StreamUsageReader, cached_tokens_in_body
 from kvserve.router.worker_registry import Worker, WorkerRegistry
 
@@ -80,7 +81,8 @@ class Proxy:
         self._clock = clock
         self._preparer = preparer
         self._rng = random.Random(config.seed)
-        self._timeout = aiohttp.ClientTimeout(total=config.request_timeout_s)
+        # Proxied requests go through the lean client; ``session`` serves the rest.
+        self.upstream = UpstreamClient(config.worker_headers(), config.request_timeout_s)
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
         try:
@@ -155,9 +157,7 @@ class Proxy:
         try:
             async with (
                 AnswerWatch(worker) as watch,
-                self._session.post(
-                    url, data=raw, headers=headers, timeout=self._timeout
-                ) as upstream,
+                self.upstream.post(url, data=raw, headers=headers) as upstream,
             ):
                 watch.disarm()  # it answered: slow from here on, maybe, but not hung
                 attempt.headers |= self._served_by(decision, upstream)
@@ -212,15 +212,13 @@ class Proxy:
         """Where the attempt goes and with which headers."""
         return worker.url + request.path, self._upstream_headers(request)
 
-    def _served_by(
-        self, decision: RoutingDecision, upstream: aiohttp.ClientResponse
-    ) -> dict[str, str]:
+    def _served_by(self, decision: RoutingDecision, upstream: UpstreamResponse) -> dict[str, str]:
         """Response headers naming the workers that served the attempt, beyond
         ``x-kvserve-worker`` (PD mode adds the prefill worker's)."""
         return {}
 
     async def _relay_stream(
-        self, request: web.Request, upstream: aiohttp.ClientResponse, attempt: _Attempt
+        self, request: web.Request, upstream: UpstreamResponse, attempt: _Attempt
     ) -> web.StreamResponse:
         """Relay SSE bytes as they come; from here on, nothing can be retried."""
         attempt.headers["Cache-Control"] = "no-cache"
