@@ -15,8 +15,11 @@ Responses name the decode worker in ``x-kvserve-worker``, relay its ``x-kvserve-
 (``remote``), name that worker in ``x-kvserve-prefill-worker``.
 
 Guards: the prefill worker's (one request + the prompt's prefill tokens) is released when
-prefill ends, i.e. at the first response byte; the decode worker's (one request) when the
-response ends. Both are released on every path through the base proxy's ``finally``.
+the prefill worker is done, i.e. when the decode worker's response headers come: it sends
+them only once the KV is installed (``remote``) or the transfer was given up
+(``fallback``); at the latest it goes with the first token. The decode worker's (one
+request) when the response ends. Both are released on every path through the base
+proxy's ``finally``.
 """
 
 from __future__ import annotations
@@ -62,10 +65,15 @@ class PairGuard:
         return self._decode.prefill_released
 
     def release_prefill(self) -> None:
-        """The first byte came: the prefill worker's part is over."""
+        """The first token came: the prefill worker's part is over, and so is any prefill
+        work the decode worker did itself."""
+        self.release_prefill_worker()
+        self._decode.release_prefill()
+
+    def release_prefill_worker(self) -> None:
+        """The prefill worker's part is over (its KV is installed, or it was given up)."""
         if self._prefill is not None:
             self._prefill.release()
-        self._decode.release_prefill()
 
     def release(self) -> None:
         if self._prefill is not None:
@@ -144,6 +152,13 @@ class PDProxy(Proxy):
         if path == "remote" and prefill_id is not None:
             return {PATH_HEADER: path, PREFILL_WORKER_HEADER: prefill_id}
         return {PATH_HEADER: path}
+
+    def _headers_arrived(self, guard: Guard, upstream: aiohttp.ClientResponse) -> None:
+        """The decode worker answers only once it stopped waiting for the prefill worker."""
+        if upstream.headers.get(PATH_HEADER) in ("remote", "fallback") and isinstance(
+            guard, PairGuard
+        ):
+            guard.release_prefill_worker()
 
     # -- decode headroom -------------------------------------------------------------
 

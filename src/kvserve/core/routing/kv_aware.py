@@ -27,7 +27,10 @@ same index and loads make the same choice.
 
 After a choice the request's blocks are inserted speculatively on the chosen worker
 (see :mod:`kvserve.core.routing.kv_index`), so the next request of a burst sharing a new
-prefix follows the first before any event confirms it.
+prefix follows the first before any event confirms it. Both records of a choice (the
+speculation and the queued prefill) come with a take-back, which the router calls when
+the attempt fails before its first token: a worker that never computed the prompt is
+then neither predicted to hold it nor to be busy computing it.
 
 A decision predicts only a few workers, whatever the fleet's size: every worker that
 holds a prefix of the prompt (one walk of the index yields them all, with their depths)
@@ -50,7 +53,7 @@ import xxhash
 from kvserve.core.cost_model import CostModel
 from kvserve.core.routing.kv_index import KVBlockIndex, WorkerMatch
 from kvserve.core.routing.load_order import LoadOrder
-from kvserve.core.routing.types import WorkerLoad
+from kvserve.core.routing.types import TakeBack, WorkerLoad
 
 _NO_MATCH = WorkerMatch({})
 
@@ -139,9 +142,20 @@ class PrefillQueue:
     def queued_s(self, worker_id: str, now: float) -> float:
         return max(0.0, self._done_at.get(worker_id, now) - now)
 
-    def push(self, worker_id: str, seconds: float, now: float) -> None:
+    def push(self, worker_id: str, seconds: float, now: float) -> float:
+        """Queue ``seconds`` of prefill; returns when they are predicted to end."""
         done_at = self._done_at[worker_id] = now + self.queued_s(worker_id, now) + seconds
         self._loads.set_done(worker_id, done_at)
+        return done_at
+
+    def take_back(self, worker_id: str, seconds: float, ends_at: float, now: float) -> None:
+        """A pushed prefill (``seconds`` ending at ``ends_at``) will not run after all:
+        the queue ends sooner by the part of it not yet predicted done."""
+        done_at = self._done_at.get(worker_id)
+        if done_at is not None:
+            left = min(seconds, max(0.0, ends_at - now))
+            done_at = self._done_at[worker_id] = max(now, done_at - left)
+            self._loads.set_done(worker_id, done_at)
 
     def forget(self, worker_id: str) -> None:
         self._done_at.pop(worker_id, None)
@@ -301,20 +315,32 @@ class KvAwareRouting:
 
     def expect_prefill(
         self, choice: KvAwareChoice, block_hashes: Sequence[int], prompt_tokens: int, now: float
-    ) -> None:
+    ) -> TakeBack:
         """The chosen worker computes the prompt's uncached part: queue it there and
-        expect its blocks there."""
-        cached = choice.prediction.cached_tokens
-        self.queue.push(
-            choice.worker_id, self.config.prefill_s(prompt_tokens - cached, cached), now
-        )
-        self.expect_blocks(choice.worker_id, block_hashes, now)
+        expect its blocks there. Returns what takes both back."""
+        worker_id, cached = choice.worker_id, choice.prediction.cached_tokens
+        seconds = self.config.prefill_s(prompt_tokens - cached, cached)
+        ends_at = self.queue.push(worker_id, seconds, now)
+        withdraw = self.expect_blocks(worker_id, block_hashes, now)
 
-    def expect_blocks(self, worker_id: str, block_hashes: Sequence[int], now: float) -> None:
+        def take_back(at: float) -> None:
+            self.queue.take_back(worker_id, seconds, ends_at, at)
+            withdraw(at)
+
+        return take_back
+
+    def expect_blocks(self, worker_id: str, block_hashes: Sequence[int], now: float) -> TakeBack:
         """Insert ``block_hashes`` speculatively on ``worker_id`` until events confirm them
-        (a PD decode worker gets them from its prefill worker, computing nothing)."""
+        (a PD decode worker gets them from its prefill worker, computing nothing).
+        Returns what withdraws them."""
+        deadline = now + self.config.speculative_ttl_s
         if self.config.speculative_ttl_s > 0:
-            self.index.speculate(worker_id, block_hashes, now + self.config.speculative_ttl_s)
+            self.index.speculate(worker_id, block_hashes, deadline)
+
+        def withdraw(_: float) -> None:
+            self.index.withdraw(worker_id, block_hashes, deadline)
+
+        return withdraw
 
     def forget_worker(self, worker_id: str) -> None:
         self.index.remove_worker(worker_id)
