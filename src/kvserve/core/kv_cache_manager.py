@@ -144,6 +144,11 @@ class KVCacheManager:
             )
         pinned.extend(ledger.insert(hashes[done:], table[done : len(hashes)], parent_hash))
 
+    def num_request_blocks(self, request_id: str) -> int:
+        """Blocks in the request's table (0 for an unknown id), without copying it."""
+        request = self._requests.get(request_id)
+        return len(request.table) if request else 0
+
     def block_table(self, request_id: str) -> list[int]:
         request = self._requests.get(request_id)
         return request.table.copy() if request else []

@@ -163,8 +163,8 @@ class PDProxy(Proxy):
     # -- decode headroom -------------------------------------------------------------
 
     async def poll_decode_loads_forever(self) -> None:
-        """Keep each decode worker's KV headroom fresh: free plus cached blocks (cached
-        ones are evictable unless a running request pins them) over all, from ``/load``."""
+        """Keep each decode worker's KV headroom fresh: free plus evictable blocks (cached
+        ones no request pins) over all, from ``/load``."""
         timeout = aiohttp.ClientTimeout(total=self._config.health.timeout_s)
         while True:
             decodes = [w for w in self._registry.all() if w.pool == DECODE_POOL]
@@ -176,7 +176,7 @@ class PDProxy(Proxy):
             async with self._session.get(worker.url + "/load", timeout=timeout) as response:
                 load = await response.json()
             total = int(load["total_blocks"])
-            reclaimable = int(load["free_blocks"]) + int(load["cached_blocks"])
+            reclaimable = int(load["free_blocks"]) + int(load["evictable_blocks"])
             self._free_fraction[worker.worker_id] = reclaimable / total if total else 0.0
 
     def forget_worker(self, worker_id: str) -> None:
