@@ -17,9 +17,26 @@ much work, blind to an early end). Either alone misleads: counting cached tokens
 makes the holder of a prefix look busy and scatters its conversations.
 
 Device hits are free; host and storage hits cost their transfer time; the rest must be
-computed behind whatever prefill the worker already has queued. The smallest prediction
-wins, so the holder of a prefix gets its requests until its queue makes a cold worker
-faster: a hot prefix spreads to more workers exactly when its holder is saturated.
+computed behind whatever prefill the worker already has queued.
+
+The choice is not this request's TTFT alone. Sending a request anywhere but to the
+deepest holder of its prefix recomputes what the holder has cached: GPU time the fleet
+spends again, which every request queued behind it on that worker waits for, and blocks
+it writes there that evict someone else's. Each candidate is scored::
+
+    score = predicted TTFT + recompute_weight × (prefill seconds here
+                                                 − prefill seconds on the deepest holder)
+
+and the smallest score wins. A holder keeps a request until its queue exceeds the
+recompute (1 + recompute_weight) times over; past that the prefix is worth replicating
+on a second worker, and it spreads. With ``recompute_weight`` 0 (the rule before it)
+kv_aware moved conversations off a busy holder as soon as a cold worker was faster for
+the request at hand, and lost hit rate to cache_aware that grew with load (the Mooncake
+conversation trace, 10 workers: 0.335 against 0.360 at the trace's rate, 0.303 against
+0.359 at ×4). The weight was set by measurement with ``kvserve simulate`` on that trace
+(docs/benchmarks.md, "Routing that keeps its hits"): 1 and 3 still gave up hits at ×2
+and ×4; 8 keeps cache_aware's hit rate at ×1, ×2 and ×4 with a lower mean TTFT at every
+rate; 20 keeps more hits at ×4 but its p99 grows past 0.6× cache_aware's.
 
 Ties (equal predictions) go to the less loaded worker, then by rendezvous hashing on the
 request's block chain rather than a per-process rotation: two router replicas with the
@@ -80,6 +97,10 @@ class KvAwareConfig:
     storage_load_token_s: float = 10e-6
     decode_request_s: float = 5e-3
     speculative_ttl_s: float = 2.0
+    # Seconds of score per second of prefill a choice computes beyond what the deepest
+    # holder would: what the recompute costs the requests queued behind it (see the
+    # module docstring). 0 ranks by this request's TTFT alone.
+    recompute_weight: float = 8.0
     # (block, holder) entries the index keeps; None: unbounded (see KVBlockIndex)
     index_max_entries: int | None = None
 
@@ -95,6 +116,8 @@ class KvAwareConfig:
             raise ValueError("kv_aware costs must be >= 0 and prefill_token_s > 0")
         if self.speculative_ttl_s < 0:
             raise ValueError("speculative_ttl_s must be >= 0")
+        if self.recompute_weight < 0:
+            raise ValueError("recompute_weight must be >= 0")
 
     @classmethod
     def from_cost_model(cls, cost: CostModel, **overrides: Any) -> KvAwareConfig:
@@ -228,20 +251,37 @@ def lowest_ttft(
         )
         for w in workers
     ]
-    return _choose(scored, tie_key)
+    return _choose(scored, tie_key, prompt_tokens, config)
 
 
-def _choose(scored: Sequence[tuple[WorkerLoad, float, int]], tie_key: int) -> KvAwareChoice:
-    """Of (worker, TTFT, cached tokens): the smallest TTFT (equal up to a nanosecond is a
-    tie), then the lighter guards, then rendezvous hashing (computed for the tied only)."""
-    ranked = [((round(ttft, 9), w.sort_key), w, ttft, cached) for w, ttft, cached in scored]
+def _choose(
+    scored: Sequence[tuple[WorkerLoad, float, int]],
+    tie_key: int,
+    prompt_tokens: int,
+    config: KvAwareConfig,
+) -> KvAwareChoice:
+    """Of (worker, TTFT, cached tokens): the smallest score (equal up to a nanosecond is
+    a tie), then the lighter guards, then rendezvous hashing (computed for the tied only).
+    The score is the TTFT plus ``recompute_weight`` times the prefill seconds the choice
+    computes beyond what the deepest holder would."""
+    deepest = max(c for _, _, c in scored)
+    weight = config.recompute_weight
+    floor_s = config.prefill_s(prompt_tokens - deepest, deepest) if weight else 0.0
+
+    def score(ttft: float, cached: int) -> float:
+        if not weight or cached == deepest:
+            return ttft
+        return ttft + weight * (config.prefill_s(prompt_tokens - cached, cached) - floor_s)
+
+    ranked = [
+        ((round(score(ttft, cached), 9), w.sort_key), w, ttft, cached) for w, ttft, cached in scored
+    ]
     lowest = min(r[0] for r in ranked)
     tied = [r[1:] for r in ranked if r[0] == lowest]
     chosen = tied[0]
     if len(tied) > 1:
         chosen = max(tied, key=lambda t: _rendezvous(tie_key, t[0].worker_id))
     worker, ttft, cached = chosen
-    deepest = max(c for _, _, c in scored)
     if deepest == 0:
         reason = "cache_miss"
     elif cached == deepest:
@@ -311,7 +351,7 @@ class KvAwareRouting:
             )
             for w in candidates
         ]
-        return _choose(scored, tie_key)
+        return _choose(scored, tie_key, prompt_tokens, self.config)
 
     def expect_prefill(
         self, choice: KvAwareChoice, block_hashes: Sequence[int], prompt_tokens: int, now: float
