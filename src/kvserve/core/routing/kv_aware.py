@@ -33,10 +33,12 @@ on a second worker, and it spreads. With ``recompute_weight`` 0 (the rule before
 kv_aware moved conversations off a busy holder as soon as a cold worker was faster for
 the request at hand, and lost hit rate to cache_aware that grew with load (the Mooncake
 conversation trace, 10 workers: 0.335 against 0.360 at the trace's rate, 0.303 against
-0.359 at ×4). The weight was set by measurement with ``kvserve simulate`` on that trace
-(docs/benchmarks.md, "Routing that keeps its hits"): 1 and 3 still gave up hits at ×2
-and ×4; 8 keeps cache_aware's hit rate at ×1, ×2 and ×4 with a lower mean TTFT at every
-rate; 20 keeps more hits at ×4 but its p99 grows past 0.6× cache_aware's.
+0.359 at ×4). The weight was set by measurement with ``kvserve simulate``
+(docs/benchmarks.md, "Routing that keeps its hits"): on the conversation trace, with
+large caches, more weight keeps more hits (8 keeps all of cache_aware's at ×4); on a
+trace of agent sessions with tight caches, 8 piles sessions onto holders whose caches
+cannot keep them and their TTFT grows sevenfold. 3 keeps the hits of both within a
+point or two of cache_aware's at a lower mean TTFT everywhere measured.
 
 Ties (equal predictions) go to the less loaded worker, then by rendezvous hashing on the
 request's block chain rather than a per-process rotation: two router replicas with the
@@ -100,7 +102,7 @@ class KvAwareConfig:
     # Seconds of score per second of prefill a choice computes beyond what the deepest
     # holder would: what the recompute costs the requests queued behind it (see the
     # module docstring). 0 ranks by this request's TTFT alone.
-    recompute_weight: float = 8.0
+    recompute_weight: float = 3.0
     # (block, holder) entries the index keeps; None: unbounded (see KVBlockIndex)
     index_max_entries: int | None = None
 
