@@ -29,16 +29,17 @@ it writes there that evict someone else's. Each candidate is scored::
 
 and the smallest score wins. A holder keeps a request until its queue exceeds the
 recompute (1 + recompute_weight) times over; past that the prefix is worth replicating
-on a second worker, and it spreads. With ``recompute_weight`` 0 (the rule before it)
-kv_aware moved conversations off a busy holder as soon as a cold worker was faster for
-the request at hand, and lost hit rate to cache_aware that grew with load (the Mooncake
-conversation trace, 10 workers: 0.335 against 0.360 at the trace's rate, 0.303 against
-0.359 at ×4). The weight was set by measurement with ``kvserve simulate``
-(docs/benchmarks.md, "Routing that keeps its hits"): on the conversation trace, with
-large caches, more weight keeps more hits (8 keeps all of cache_aware's at ×4); on a
-trace of agent sessions with tight caches, 8 piles sessions onto holders whose caches
-cannot keep them and their TTFT grows sevenfold. 3 keeps the hits of both within a
-point or two of cache_aware's at a lower mean TTFT everywhere measured.
+on a second worker, and it spreads. With ``recompute_weight`` 0, the default, the score
+is the TTFT: kv_aware moves a conversation off a busy holder as soon as a cold worker is
+faster for the request at hand, and gives up hit rate to cache_aware, more with load
+(the Mooncake conversation trace, 10 workers: 0.335 against 0.360 at the trace's rate,
+0.303 against 0.359 at ×4). Measured with ``kvserve simulate
+--kv-aware-recompute-weight`` (docs/benchmarks.md, "Routing that keeps its hits"): on
+that trace a weight of 8 keeps cache_aware's hit rate at ×1, ×2 and ×4, still at a lower
+mean TTFT; but on agent sessions with tight caches any weight tried (3, 8) piles
+sessions onto holders that cannot keep their blocks, and at ×2 their mean TTFT grows
+four to six times past cache_aware's, so the default stays 0 until the rule knows when
+a holder's cache will still hold the prefix by the time the request runs.
 
 Ties (equal predictions) go to the less loaded worker, then by rendezvous hashing on the
 request's block chain rather than a per-process rotation: two router replicas with the
@@ -101,8 +102,8 @@ class KvAwareConfig:
     speculative_ttl_s: float = 2.0
     # Seconds of score per second of prefill a choice computes beyond what the deepest
     # holder would: what the recompute costs the requests queued behind it (see the
-    # module docstring). 0 ranks by this request's TTFT alone.
-    recompute_weight: float = 3.0
+    # module docstring). 0 (the default, by measurement) ranks by this request's TTFT.
+    recompute_weight: float = 0.0
     # (block, holder) entries the index keeps; None: unbounded (see KVBlockIndex)
     index_max_entries: int | None = None
 
