@@ -136,3 +136,34 @@ def test_a_chat_stream_holds_its_prefill_load_until_the_prompt_is_computed(
     assert worker_load["prefill_tokens"] == 0, worker_load
     assert '"role":"assistant"' in lines[0] and lines[-1] == "data: [DONE]"
     assert any('"content":"' in line and '"content":""' not in line for line in lines[1:])
+
+
+def test_a_non_streamed_request_releases_its_prefill_load_at_the_first_token(
+    router: ServerProcess,
+) -> None:
+    """The worker sends a non-streamed answer's headers with its first token: the router
+    lets go of the prefill load then, not when the whole answer (a long decode) is in."""
+    model = httpx.get(router.url + "/v1/models", timeout=10).json()["data"][0]["id"]
+    (worker,) = httpx.get(router.url + "/workers", timeout=10).json()["workers"]
+    prompt = " ".join(f"unseen{i} words about rivers" for i in range(60))
+    body = {"model": model, "prompt": prompt, "max_tokens": 400, "ignore_eos": True}
+
+    def send() -> httpx.Response:
+        return httpx.post(router.url + "/v1/completions", json=body, timeout=120)
+
+    with ThreadPoolExecutor(1) as pool:
+        pending = pool.submit(send)
+        first_held_value(router, within_s=30)
+        deadline = time.monotonic() + 60
+        while held_prefill_tokens(router) > 0:
+            assert time.monotonic() < deadline, "prefill load never released"
+            time.sleep(0.002)
+        worker_load = httpx.get(worker["url"] + "/load", timeout=10).json()
+        requests_held = total(router, REQUESTS_GAUGE)
+        answered_by_then = pending.done()
+        response = pending.result()
+    assert not answered_by_then and requests_held == 1  # released mid-answer
+    assert worker_load["prefill_tokens"] == 0 and worker_load["running"] == 1, worker_load
+    assert response.status_code == 200
+    assert response.json()["usage"]["completion_tokens"] == 400
+    assert total(router, REQUESTS_GAUGE) == 0

@@ -205,6 +205,43 @@ def test_pd_serves_logprobs_and_refuses_several_choices(fleet: Fleet) -> None:
     assert_at_baseline(fleet)
 
 
+def router_requests_on(fleet: Fleet, worker: ServerProcess) -> float:
+    """The router's in-flight requests gauge for one worker."""
+    listed = httpx.get(fleet.router.url + "/workers", timeout=5).json()["workers"]
+    (worker_id,) = (w["id"] for w in listed if w["url"] == worker.url)
+    held = by_label(samples(fleet.router.url + "/metrics"), GAUGES[0], "worker")
+    return held.get(worker_id, 0.0)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_prefill_worker_load_released_when_its_part_is_done(fleet: Fleet, stream: bool) -> None:
+    """The router holds the prefill worker's load until the decode worker stopped waiting
+    for it, not through the decode (a non-streamed answer once held it to its end)."""
+    body = {**GREEDY, "prompt": words(f"release{stream}", 120), "max_tokens": 1500}
+    body["stream"] = stream
+    result: list[httpx.Response] = []
+
+    def send() -> None:
+        result.append(httpx.post(fleet.router.url + "/v1/completions", json=body, timeout=120))
+
+    thread = threading.Thread(target=send)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while router_requests_on(fleet, fleet.prefill) == 0:
+        assert time.monotonic() < deadline and thread.is_alive(), "the prefill worker never held"
+        time.sleep(0.002)
+    while router_requests_on(fleet, fleet.prefill) > 0:
+        assert time.monotonic() < deadline, "the prefill worker's load was never released"
+        time.sleep(0.002)
+    decoding = sum(load(d)["running"] for d in fleet.decodes)
+    answered_by_then = not thread.is_alive()
+    thread.join(120)
+    assert not answered_by_then and decoding == 1  # released while the decode ran on
+    assert result[0].status_code == 200
+    assert result[0].headers["x-kvserve-pd"] == "remote"
+    assert_at_baseline(fleet)
+
+
 def _long_prompt(tag: str) -> str:
     return f"{tag} {words('w', 800)}"  # about 3,000 tokens: ~95 prefill steps of 32 tokens
 

@@ -153,6 +153,11 @@ class KVCacheManager:
         tokens = token_ids[done * size : len(hashes) * size] if keep else ()
         pinned.extend(ledger.insert(hashes[done:], table[done : len(hashes)], parent_hash, tokens))
 
+    def num_request_blocks(self, request_id: str) -> int:
+        """Blocks in the request's table (0 for an unknown id), without copying it."""
+        request = self._requests.get(request_id)
+        return len(request.table) if request else 0
+
     def block_table(self, request_id: str) -> list[int]:
         request = self._requests.get(request_id)
         return request.table.copy() if request else []

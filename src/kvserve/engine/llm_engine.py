@@ -233,6 +233,7 @@ class LLMEngine:
             "waiting": len(self.scheduler.waiting),
             "free_blocks": kv.num_free_blocks,
             "cached_blocks": kv.num_cached_blocks,
+            "evictable_blocks": kv.num_evictable_blocks,
             "total_blocks": kv.num_blocks,
             "prefill_tokens": self.scheduler.num_prefill_tokens,
             "preemptions": self.scheduler.stats.preemptions,

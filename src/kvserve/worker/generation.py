@@ -6,6 +6,13 @@ choices keep their indexes. Whatever ends the request early (the client hanging 
 handler being cancelled at shutdown, an engine fault) aborts every choice still running
 in the engine, so that its blocks are freed at once and never wait for a generation
 nobody will read.
+
+A router asks a non-streamed answer's headers to be sent once prefill is over
+(``x-kvserve-first-token: headers``), so that it learns when to let go of the prefill
+load it holds without streaming: the headers leave when every choice has its first token
+(``x-kvserve-first-token: 1``), the body when generation ends (a worker that ignores the
+request sends neither). An engine fault after the headers can no longer change the
+status: the body is then the OpenAI error body, which the router turns back into a 503.
 """
 
 from __future__ import annotations
@@ -21,7 +28,7 @@ from typing import Any, TypeVar
 import orjson
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
-from starlette.types import Receive
+from starlette.types import Receive, Scope, Send
 
 from kvserve.engine.logprobs import TokenLogprob
 from kvserve.worker.choices import ChoicePlan, ChoiceSet
@@ -34,6 +41,8 @@ from kvserve.worker.metrics import RequestTimer, WorkerMetrics
 from kvserve.worker.responses import ResponseFormat, usage
 
 _SSE_DONE = b"data: [DONE]\n\n"
+FIRST_TOKEN_HEADER = "x-kvserve-first-token"
+FIRST_TOKEN_REQUEST = "headers"
 
 T = TypeVar("T")
 
@@ -100,6 +109,8 @@ class Generation:
         await self._choice_set.start()
         if stream:
             return StreamingResponse(self._events(), media_type="text/event-stream")
+        if request.headers.get(FIRST_TOKEN_HEADER) == FIRST_TOKEN_REQUEST:
+            return await self._collect_after_first_tokens(request.receive)
         try:
             return await self._collect(request.receive)
         finally:
@@ -110,24 +121,59 @@ class Generation:
             self._choices[index].timer.on_abort()
 
     async def _collect(self, receive: Receive) -> Response:
-        async def consume() -> bool:
-            async for index, output in self._choice_set.outputs():
-                self._take(self._choices[index], output)
-            return True
-
+        outputs = aiter(self._choice_set.outputs())
         try:
-            done = await _unless_disconnected(receive, consume())
+            done = await _unless_disconnected(receive, self._take_rest(outputs))
         except RequestAborted as exc:
             raise APIError(503, f"Request aborted: {exc}") from exc
         if done is None:
             return Response(status_code=499)  # the client is gone; nobody reads this
+        return JSONResponse(self._body())
+
+    async def _collect_after_first_tokens(self, receive: Receive) -> Response:
+        """Wait until every choice has its first token, then answer with a response that
+        sends its headers at once and the body when the rest is collected. Until the
+        headers go out, failures are reported with their own status, as by ``_collect``."""
+        outputs = aiter(self._choice_set.outputs())
+        try:
+            started = await _unless_disconnected(receive, self._take_until_started(outputs))
+        except RequestAborted as exc:
+            self._abort_unfinished()
+            raise APIError(503, f"Request aborted: {exc}") from exc
+        except BaseException:
+            self._abort_unfinished()
+            raise
+        if started is None:
+            self._abort_unfinished()
+            return Response(status_code=499)
+        return _AfterFirstTokensResponse(self, outputs)
+
+    async def _take_next(self, outputs: AsyncIterator[tuple[int, Any]]) -> bool:
+        """Takes the next output of any choice; False when every choice has ended."""
+        item = await anext(outputs, None)
+        if item is None:
+            return False
+        index, output = item
+        self._take(self._choices[index], output)
+        return True
+
+    async def _take_until_started(self, outputs: AsyncIterator[tuple[int, Any]]) -> bool:
+        while not all(choice.started for choice in self._choices):
+            if not await self._take_next(outputs):
+                break
+        return True
+
+    async def _take_rest(self, outputs: AsyncIterator[tuple[int, Any]]) -> bool:
+        while await self._take_next(outputs):
+            pass
+        return True
+
+    def _body(self) -> dict[str, Any]:
         choices = [
             self.fmt.choice(index, "".join(c.texts), c.last.finish_reason, self._whole_logprobs(c))
             for index, c in enumerate(self._returned())
         ]
-        return JSONResponse(
-            self.fmt.response(self.request_id, self.model, self.created, choices, self._usage())
-        )
+        return self.fmt.response(self.request_id, self.model, self.created, choices, self._usage())
 
     async def _events(self) -> AsyncIterator[bytes]:
         """Server-sent events; a cancelled iteration (client gone) aborts the requests.
@@ -240,6 +286,36 @@ class Generation:
         if self.options.include_usage:
             body["usage"] = usage_body
         return b"data: " + orjson.dumps(body) + b"\n\n"
+
+
+class _AfterFirstTokensResponse(Response):
+    """A non-streamed answer whose headers leave once prefill is over and whose body
+    follows when generation ends; the client leaving meanwhile aborts the generation."""
+
+    media_type = "application/json"
+
+    def __init__(self, generation: Generation, outputs: AsyncIterator[tuple[int, Any]]) -> None:
+        self.status_code = 200
+        self.background = None
+        self._generation = generation
+        self._outputs = outputs
+        self.init_headers({FIRST_TOKEN_HEADER: "1"})  # no body yet: no content-length
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        generation = self._generation
+        try:
+            await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
+            try:
+                done = await _unless_disconnected(receive, generation._take_rest(self._outputs))
+            except RequestAborted as exc:
+                body = APIError(503, f"Request aborted: {exc}").body()
+            else:
+                if done is None:
+                    return  # the client is gone
+                body = generation._body()
+        finally:
+            generation._abort_unfinished()
+        await send({"type": "http.response.body", "body": orjson.dumps(body)})
 
 
 async def _unless_disconnected(receive: Receive, work: Coroutine[Any, Any, T]) -> T | None:
