@@ -164,7 +164,6 @@ class Proxy:
                 AnswerWatch(worker) as watch,
                 self.upstream.post(url, data=raw, headers=headers) as upstream,
             ):
-                watch.disarm()  # it answered: slow from here on, maybe, but not hung
                 attempt.headers |= self._served_by(decision, upstream)
                 self._headers_arrived(attempt.guard, upstream)
                 first_token_sent = upstream.headers.get(FIRST_TOKEN_HEADER) == "1"
@@ -183,6 +182,7 @@ class Proxy:
                     "Content-Type", "application/json"
                 )
                 if upstream.content_type == "text/event-stream":
+                    watch.disarm()  # bytes reach the client from here: slow, maybe, not hung
                     return await self._relay_stream(request, upstream, attempt)
                 payload = await upstream.read()
                 answer = json_body(payload)

@@ -6,8 +6,10 @@ have taken the worker out. Each attempt therefore registers itself on its worker
 waits for the answer's headers; when the worker is taken out, those attempts are
 cancelled and fail as :class:`WorkerTakenOut`, an ``aiohttp.ClientError``, which the proxy
 retries on another worker like any unreachable one (nothing reached the client yet).
-Once the headers are in, the attempt disarms its watch: a worker that has started to
-answer is slow, not hung, and a stream is never cut this way.
+Once a stream starts to reach the client, the attempt disarms its watch: a stream is
+never cut this way. A non-streamed answer stays watched until its body is in, since its
+headers may leave the worker with the first token (``x-kvserve-first-token``) long before
+the body, and nothing has reached the client until the router has the whole body.
 
 The cancellation follows ``asyncio.timeout``'s pattern: the waiting task is cancelled and
 the cancellation turned into the error on the way out, unless someone else (a client
@@ -30,7 +32,7 @@ class WorkerTakenOut(aiohttp.ClientError):
 
 class AnswerWatch:
     """``async with AnswerWatch(worker) as watch:`` around sending a request; call
-    :meth:`disarm` as soon as the answer's headers are in."""
+    :meth:`disarm` once the answer starts to reach the client."""
 
     def __init__(self, worker: Worker) -> None:
         self._worker = worker
