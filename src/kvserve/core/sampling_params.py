@@ -10,6 +10,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from kvserve.core.structured_output import StructuredOutput
+
 _GREEDY_BELOW = 1e-5
 
 
@@ -29,6 +31,7 @@ class SamplingParams:
     disable those filters. ``max_tokens=None`` lets the request run to the end of the
     model's context.
     A ``seed`` makes the request's samples reproducible whatever else is in the batch.
+    ``structured_output`` constrains every sampled token to a grammar (JSON schema).
     """
 
     max_tokens: int | None = 16
@@ -40,6 +43,7 @@ class SamplingParams:
     stop_token_ids: Sequence[int] = field(default_factory=tuple)
     ignore_eos: bool = False
     min_tokens: int = 0
+    structured_output: StructuredOutput | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -77,6 +81,11 @@ class SamplingParams:
             raise InvalidParameterError(
                 "min_tokens",
                 f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})",
+            )
+        if self.structured_output is not None and self.min_tokens > 0:
+            # The grammar alone decides where a structured output may end.
+            raise InvalidParameterError(
+                "min_tokens", "min_tokens cannot be combined with structured output"
             )
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise InvalidParameterError("stop", "stop strings must be non-empty strings")

@@ -19,13 +19,17 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.types import Receive
 
+from kvserve.worker import tool_calls
 from kvserve.worker.engine_bridge import RequestAborted
 from kvserve.worker.errors import APIError
 from kvserve.worker.json_response import JSONResponse
 from kvserve.worker.metrics import RequestTimer, WorkerMetrics
 from kvserve.worker.responses import ResponseFormat, usage
+from kvserve.worker.tool_calls import ToolPlan
 
 _SSE_DONE = b"data: [DONE]\n\n"
+# The engine ends a request with "error" when its grammar library failed on it.
+_GRAMMAR_FAILED = "error"
 
 T = TypeVar("T")
 
@@ -57,11 +61,17 @@ class Generation:
     """The per-request context shared by the streamed and the collected paths."""
 
     def __init__(
-        self, backend: GenerationBackend, metrics: WorkerMetrics, fmt: ResponseFormat, model: str
+        self,
+        backend: GenerationBackend,
+        metrics: WorkerMetrics,
+        fmt: ResponseFormat,
+        model: str,
+        tools: ToolPlan | None = None,  # the answer is read back as tool calls
     ) -> None:
         self.backend = backend
         self.fmt = fmt
         self.model = model
+        self.tools = tools
         self.request_id = f"{fmt.id_prefix}{_PROCESS_TAG}{next(_REQUEST_NUMBERS):08x}"
         self.created = int(time.time())
         self.timer: RequestTimer = metrics.start_request()
@@ -101,14 +111,22 @@ class Generation:
             raise APIError(503, f"Request aborted: {exc}") from exc
         if last is None:
             return Response(status_code=499)  # the client is gone; nobody reads this
+        if last.finish_reason == _GRAMMAR_FAILED:
+            raise _grammar_failed()
+        text = "".join(texts)
         body = self.fmt.response(
             self.request_id,
             self.model,
             self.created,
-            "".join(texts),
+            text,
             last.finish_reason,
             usage(last.prompt_tokens, last.completion_tokens, last.num_cached_tokens),
         )
+        if self.tools is not None:
+            parsed = self.tools.parse(text)
+            choice = body["choices"][0]
+            choice["message"] = tool_calls.message(parsed)
+            choice["finish_reason"] = tool_calls.finish_reason(parsed, last.finish_reason)
         return JSONResponse(body)
 
     async def _events(self, outputs: OutputStream, include_usage: bool) -> AsyncIterator[bytes]:
@@ -121,6 +139,7 @@ class Generation:
         try:
             opening = self.fmt.opening_choice()
             last = None
+            held: list[str] = []  # a tool-call answer goes out whole, once parsed
             async for output in outputs:
                 if opening is not None:
                     yield self._sse([opening], include_usage)
@@ -128,7 +147,14 @@ class Generation:
                 self.timer.on_output(output)
                 last = output
                 finish = output.finish_reason if output.finished else None
-                if output.new_text or finish is not None:
+                if finish == _GRAMMAR_FAILED:
+                    yield b"data: " + orjson.dumps(_grammar_failed().body()) + b"\n\n"
+                    break
+                if self.tools is not None:
+                    held.append(output.new_text)
+                    if finish is not None:
+                        yield self._sse([self._tool_delta("".join(held), finish)], include_usage)
+                elif output.new_text or finish is not None:
                     yield self._sse([self.fmt.delta_choice(output.new_text, finish)], include_usage)
             if include_usage and last is not None:
                 counts = usage(last.prompt_tokens, last.completion_tokens, last.num_cached_tokens)
@@ -140,6 +166,13 @@ class Generation:
             self._abort_unless_finished(outputs)
         yield _SSE_DONE
 
+    def _tool_delta(self, text: str, finish: str) -> dict[str, Any]:
+        assert self.tools is not None
+        parsed = self.tools.parse(text)
+        choice = self.fmt.delta_choice("", tool_calls.finish_reason(parsed, finish))
+        choice["delta"] = tool_calls.delta(parsed)
+        return choice
+
     def _sse(
         self,
         choices: list[dict[str, Any]],
@@ -150,6 +183,14 @@ class Generation:
         if include_usage:
             body["usage"] = usage_body
         return b"data: " + orjson.dumps(body) + b"\n\n"
+
+
+def _grammar_failed() -> APIError:
+    return APIError(
+        500,
+        "Structured output failed in the grammar library; the worker log has the cause.",
+        code="structured_output_failed",
+    )
 
 
 async def _unless_disconnected(receive: Receive, work: Coroutine[Any, Any, T]) -> T | None:

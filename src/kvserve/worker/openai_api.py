@@ -23,6 +23,8 @@ from starlette.responses import Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from kvserve.core.sampling_params import InvalidParameterError, SamplingParams
+from kvserve.core.structured_output import StructuredOutput
+from kvserve.model_folder.chat_request import template_message
 from kvserve.model_folder.chat_template import ChatTemplateError
 from kvserve.worker.errors import (
     APIError,
@@ -34,7 +36,9 @@ from kvserve.worker.generation import Generation, GenerationBackend
 from kvserve.worker.json_response import JSONResponse
 from kvserve.worker.metrics import WorkerMetrics
 from kvserve.worker.protocol import ChatCompletionRequest, CompletionRequest, SamplingRequest
+from kvserve.worker.response_format import structured_output
 from kvserve.worker.responses import CHAT, COMPLETION, ResponseFormat
+from kvserve.worker.tool_calls import ToolPlan, plan_tools
 
 
 class OpenAIEndpoints:
@@ -70,9 +74,21 @@ class OpenAIEndpoints:
         }
 
     def chat_prompt(self, body: ChatCompletionRequest) -> list[int]:
-        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+        messages = [
+            template_message(
+                {
+                    "role": m.role,
+                    "content": m.text(),
+                    "tool_calls": m.tool_calls,
+                    "tool_call_id": m.tool_call_id,
+                }
+            )
+            for m in body.messages
+        ]
         try:
-            token_ids: list[int] = self.backend.engine.tokenizer.encode_chat(messages)
+            token_ids: list[int] = self.backend.engine.tokenizer.encode_chat(
+                messages, tools=body.tools or None
+            )
             return token_ids
         except (ChatTemplateError, jinja2.TemplateError) as exc:
             # A template may refuse a conversation (e.g. roles that do not alternate).
@@ -81,12 +97,29 @@ class OpenAIEndpoints:
     async def completion(self, request: Request, body: CompletionRequest) -> Response:
         self.check_model(body)
         max_tokens = body.max_tokens if body.max_tokens is not None else 16
-        return await self.generate(request, body, COMPLETION, body.prompt, max_tokens)
+        structured = structured_output(body.response_format)
+        return await self.generate(request, body, COMPLETION, body.prompt, max_tokens, structured)
 
     async def chat_completion(self, request: Request, body: ChatCompletionRequest) -> Response:
         self.check_model(body)
+        tools = plan_tools(
+            body.tools,
+            body.tool_choice,
+            body.parallel_tool_calls,
+            self.backend.engine.tokenizer.chat_template,
+        )
+        structured = structured_output(body.response_format)
+        if tools is not None and tools.structured is not None:
+            if structured is not None:
+                raise invalid_request(
+                    "response_format cannot be combined with a forced tool call",
+                    param="response_format",
+                )
+            structured = tools.structured
         prompt = self.chat_prompt(body)
-        return await self.generate(request, body, CHAT, prompt, body.requested_max_tokens())
+        return await self.generate(
+            request, body, CHAT, prompt, body.requested_max_tokens(), structured, tools
+        )
 
     async def generate(
         self,
@@ -95,9 +128,11 @@ class OpenAIEndpoints:
         fmt: ResponseFormat,
         prompt: str | list[int],
         max_tokens: int | None,
+        structured: StructuredOutput | None,
+        tools: ToolPlan | None = None,
     ) -> Response:
-        params = _sampling_params(body, max_tokens)
-        generation = Generation(self.backend, self.metrics, fmt, self.model_name)
+        params = _sampling_params(body, max_tokens, structured)
+        generation = Generation(self.backend, self.metrics, fmt, self.model_name, tools)
         try:
             return await generation.respond(
                 request,
@@ -110,8 +145,11 @@ class OpenAIEndpoints:
             raise invalid_request(str(exc), param=exc.param) from exc
 
 
-def _sampling_params(body: SamplingRequest, max_tokens: int | None) -> SamplingParams:
+def _sampling_params(
+    body: SamplingRequest, max_tokens: int | None, structured: StructuredOutput | None
+) -> SamplingParams:
     fields: dict[str, Any] = {
+        "structured_output": structured,
         "max_tokens": max_tokens,
         "top_k": body.top_k if body.top_k is not None else 0,
         "seed": body.seed,

@@ -8,7 +8,7 @@ torch. Unknown fields are ignored, as the SDKs send extras the worker does not u
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -24,6 +24,25 @@ class StreamOptions(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
 
     include_usage: bool = False
+
+
+class JSONSchemaSpec(BaseModel):
+    """``response_format.json_schema``: the schema itself is checked by the grammar
+    library when it is compiled (a refusal is a 400 naming ``response_format``)."""
+
+    model_config = ConfigDict(strict=True, extra="ignore", populate_by_name=True)
+
+    name: str = Field(min_length=1, max_length=64)
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormatRequest(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaSpec | None = None
 
 
 class SamplingRequest(BaseModel):
@@ -44,6 +63,7 @@ class SamplingRequest(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    response_format: ResponseFormatRequest | None = None
 
     def stop_strings(self) -> list[str]:
         if self.stop is None:
@@ -71,11 +91,17 @@ class TextContentPart(BaseModel):
 class ChatMessage(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
 
-    role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextContentPart]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextContentPart] | None = None
     name: str | None = None
+    # Kept as sent: the chat template renders past calls from them (and the router's
+    # rendering must be the same).
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
 
     def text(self) -> str:
+        if self.content is None:
+            return ""
         if isinstance(self.content, str):
             return self.content
         return "".join(part.text for part in self.content)
@@ -85,6 +111,10 @@ class ChatCompletionRequest(SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1, le=_MAX_INT32)
     logprobs: Literal[False] | None = None
+    # Kept as sent (the template renders them as sent); checked by worker/tool_calls.py.
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool = True
 
     def requested_max_tokens(self) -> int | None:
         """``max_completion_tokens`` is the current name; ``max_tokens`` the legacy one."""
