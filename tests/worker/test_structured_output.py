@@ -264,11 +264,12 @@ def test_auto_tool_choice_without_a_known_format_is_refused_but_forced_calls_wor
             },
         )
     ]
-    body = {"model": served_model(worker), "messages": MESSAGES, "max_tokens": 50, "tools": tools}
+    body = {"model": served_model(worker), "messages": MESSAGES, "max_tokens": 400, "tools": tools}
     with api(worker) as client:
         error = assert_error(client.post("/v1/chat/completions", json=body), 400, "tool_choice")
         assert "auto" in error["message"]
-        forced = client.post("/v1/chat/completions", json=body | {"tool_choice": "required"})
+        forced_body = body | {"tool_choice": "required", "parallel_tool_calls": False}
+        forced = client.post("/v1/chat/completions", json=forced_body)
     assert forced.status_code == 200, forced.text
     [call] = forced.json()["choices"][0]["message"]["tool_calls"]
     assert isinstance(json.loads(call["function"]["arguments"])["x"], int)

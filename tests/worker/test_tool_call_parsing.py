@@ -11,6 +11,7 @@ import pytest
 from kvserve.engine.tiny_model import make_tiny_model
 from kvserve.model_folder.tokenizer import Tokenizer
 from kvserve.worker.errors import APIError
+from kvserve.worker.protocol import NamedToolChoice, ToolSpec
 from kvserve.worker.tool_calls import (
     ParsedOutput,
     ToolCall,
@@ -20,9 +21,12 @@ from kvserve.worker.tool_calls import (
 )
 
 TOOLS = [
-    {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}},
-    {"type": "function", "function": {"name": "add"}},
+    ToolSpec.model_validate(
+        {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
+    ),
+    ToolSpec.model_validate({"type": "function", "function": {"name": "add"}}),
 ]
+NAMED_ADD = NamedToolChoice.model_validate({"type": "function", "function": {"name": "add"}})
 
 
 def test_hermes_blocks_become_calls_and_the_rest_is_content() -> None:
@@ -66,7 +70,7 @@ def test_auto_picks_the_parser_of_the_model_family(tmp_path, arch, parser) -> No
 def test_each_tool_choice_plans_its_constraint() -> None:
     assert plan_tools(TOOLS, "none", True, None) is None
     assert plan_tools(None, None, True, None) is None
-    named = plan_tools(TOOLS, {"type": "function", "function": {"name": "add"}}, True, None)
+    named = plan_tools(TOOLS, NAMED_ADD, True, None)
     assert named is not None and named.structured is not None
     # a function without parameters takes an empty object
     assert json.loads(named.structured.json_schema)["additionalProperties"] is False

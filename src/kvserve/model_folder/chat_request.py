@@ -22,19 +22,40 @@ def message_text(content: Any) -> str:
 
 def template_message(message: Mapping[str, Any]) -> dict[str, Any]:
     """Role and text, plus an assistant's ``tool_calls`` and a tool result's
-    ``tool_call_id`` as the client sent them (templates render past calls from these)."""
+    ``tool_call_id`` (templates render past calls from these), in one normal form."""
     out: dict[str, Any] = {
         "role": message.get("role"),
         "content": message_text(message.get("content")),
     }
-    if message.get("tool_calls"):
-        out["tool_calls"] = message["tool_calls"]
+    calls = message.get("tool_calls")
+    if isinstance(calls, list) and calls:
+        out["tool_calls"] = [_template_call(call) for call in calls if isinstance(call, dict)]
     if message.get("tool_call_id") is not None:
         out["tool_call_id"] = message["tool_call_id"]
     return out
 
 
-def template_tools(body: Mapping[str, Any]) -> list[dict[str, Any]] | None:
-    """The tools a template renders: the request's ``tools`` list as sent, None if none."""
-    tools = body.get("tools")
-    return tools if isinstance(tools, list) and tools else None
+def template_tools(tools: Any) -> list[dict[str, Any]] | None:
+    """The tools a template renders, in one normal form (type, then the function's name,
+    description and parameters where given); None if there are none."""
+    if not isinstance(tools, list) or not tools:
+        return None
+    return [_template_tool(tool) for tool in tools if isinstance(tool, dict)] or None
+
+
+def _template_call(call: Mapping[str, Any]) -> dict[str, Any]:
+    function = call.get("function")
+    function = function if isinstance(function, dict) else {}
+    return {
+        "id": call.get("id"),
+        "type": call.get("type", "function"),
+        "function": {"name": function.get("name"), "arguments": function.get("arguments")},
+    }
+
+
+def _template_tool(tool: Mapping[str, Any]) -> dict[str, Any]:
+    function = tool.get("function")
+    function = function if isinstance(function, dict) else {}
+    fields = ("name", "description", "parameters")
+    spec = {key: function[key] for key in fields if function.get(key) is not None}
+    return {"type": tool.get("type"), "function": spec}

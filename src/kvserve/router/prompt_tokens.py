@@ -58,7 +58,9 @@ class PromptHasher:
         try:
             if isinstance(messages, list):
                 chat = [template_message(m) for m in messages if isinstance(m, dict)]
-                text = self.tokenizer.apply_chat_template(chat, tools=template_tools(body))
+                text = self.tokenizer.apply_chat_template(
+                    chat, tools=template_tools(body.get("tools"))
+                )
                 return _PromptText(text, False)
         except (ChatTemplateError, jinja2.TemplateError):
             return None

@@ -24,7 +24,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from kvserve.core.sampling_params import InvalidParameterError, SamplingParams
 from kvserve.core.structured_output import StructuredOutput
-from kvserve.model_folder.chat_request import template_message
+from kvserve.model_folder.chat_request import template_message, template_tools
 from kvserve.model_folder.chat_template import ChatTemplateError
 from kvserve.worker.errors import (
     APIError,
@@ -74,21 +74,10 @@ class OpenAIEndpoints:
         }
 
     def chat_prompt(self, body: ChatCompletionRequest) -> list[int]:
-        messages = [
-            template_message(
-                {
-                    "role": m.role,
-                    "content": m.text(),
-                    "tool_calls": m.tool_calls,
-                    "tool_call_id": m.tool_call_id,
-                }
-            )
-            for m in body.messages
-        ]
+        messages = [template_message(m.model_dump(exclude_none=True)) for m in body.messages]
+        tools = template_tools([t.model_dump(exclude_none=True) for t in body.tools or ()])
         try:
-            token_ids: list[int] = self.backend.engine.tokenizer.encode_chat(
-                messages, tools=body.tools or None
-            )
+            token_ids: list[int] = self.backend.engine.tokenizer.encode_chat(messages, tools=tools)
             return token_ids
         except (ChatTemplateError, jinja2.TemplateError) as exc:
             # A template may refuse a conversation (e.g. roles that do not alternate).

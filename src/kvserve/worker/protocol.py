@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 _MAX_INT32 = 2**31 - 1
 _MAX_STOP_STRINGS = 16
@@ -88,16 +88,14 @@ class TextContentPart(BaseModel):
     text: str
 
 
-class ChatMessage(BaseModel):
+Content = str | list[TextContentPart]
+
+
+class _Message(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
 
-    role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextContentPart] | None = None
+    content: Content | None
     name: str | None = None
-    # Kept as sent: the chat template renders past calls from them (and the router's
-    # rendering must be the same).
-    tool_calls: list[dict[str, Any]] | None = None
-    tool_call_id: str | None = None
 
     def text(self) -> str:
         if self.content is None:
@@ -107,13 +105,86 @@ class ChatMessage(BaseModel):
         return "".join(part.text for part in self.content)
 
 
+class InstructionMessage(_Message):
+    role: Literal["system", "developer", "user"]
+    content: Content
+
+
+class FunctionCallRecord(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    name: str
+    arguments: str  # JSON text, as the server sent it
+
+
+class ToolCallRecord(BaseModel):
+    """A call an earlier assistant turn made, sent back with the conversation."""
+
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCallRecord
+
+
+class AssistantMessage(_Message):
+    role: Literal["assistant"]
+    content: Content | None = None
+    tool_calls: list[ToolCallRecord] | None = None
+
+    @model_validator(mode="after")
+    def _content_or_calls(self) -> AssistantMessage:
+        if self.content is None and not self.tool_calls:
+            raise ValueError("an assistant message needs content or tool_calls")
+        return self
+
+
+class ToolMessage(_Message):
+    role: Literal["tool"]
+    content: Content
+    tool_call_id: str
+
+
+ChatMessage = Annotated[
+    InstructionMessage | AssistantMessage | ToolMessage, Field(discriminator="role")
+]
+
+
+class FunctionSpec(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema; None: no arguments
+    strict: bool | None = None
+
+
+class ToolSpec(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    type: Literal["function"]
+    function: FunctionSpec
+
+
+class NamedFunction(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    type: Literal["function"]
+    function: NamedFunction
+
+
 class ChatCompletionRequest(SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1, le=_MAX_INT32)
     logprobs: Literal[False] | None = None
-    # Kept as sent (the template renders them as sent); checked by worker/tool_calls.py.
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
+    tools: list[ToolSpec] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
 
     def requested_max_tokens(self) -> int | None:

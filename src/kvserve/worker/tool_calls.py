@@ -29,8 +29,8 @@ from typing import Any
 from kvserve.core.structured_output import StructuredOutput
 from kvserve.model_folder.chat_template import ChatTemplateError, select_template
 from kvserve.worker.errors import invalid_request
+from kvserve.worker.protocol import NamedToolChoice, ToolSpec
 
-_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 _NO_ARGUMENTS = {"type": "object", "properties": {}, "additionalProperties": False}
 _HERMES_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 
@@ -56,8 +56,8 @@ class ToolPlan:
 
 
 def plan_tools(
-    tools: list[dict[str, Any]] | None,
-    tool_choice: str | dict[str, Any] | None,
+    tools: Sequence[ToolSpec] | None,
+    tool_choice: str | NamedToolChoice | None,
     parallel_tool_calls: bool,
     chat_template: str | list[dict[str, str]] | None,
 ) -> ToolPlan | None:
@@ -110,57 +110,30 @@ def _wire(call: ToolCall) -> dict[str, Any]:
 # -- request side ----------------------------------------------------------------------
 
 
-def _functions(tools: Sequence[Any]) -> dict[str, dict[str, Any]]:
+def _functions(tools: Sequence[ToolSpec]) -> dict[str, dict[str, Any]]:
     """Each tool's name → its parameters' schema (an argument-less one if none given)."""
     functions: dict[str, dict[str, Any]] = {}
     for i, tool in enumerate(tools):
-        function = tool.get("function") if isinstance(tool, dict) else None
-        if (
-            not isinstance(tool, dict)
-            or tool.get("type") != "function"
-            or not isinstance(function, dict)
-        ):
+        function = tool.function
+        if function.name in functions:
             raise invalid_request(
-                f"tools[{i}] must be {{'type': 'function', 'function': {{...}}}}", param="tools"
+                f"tools[{i}]: function {function.name!r} is listed twice", param="tools"
             )
-        name = function.get("name")
-        if not isinstance(name, str) or not _NAME.fullmatch(name):
-            raise invalid_request(
-                f"tools[{i}].function.name must be 1 to 64 letters, digits, '_' or '-'",
-                param="tools",
-            )
-        if name in functions:
-            raise invalid_request(f"tools[{i}]: function {name!r} is listed twice", param="tools")
-        parameters = function.get("parameters", _NO_ARGUMENTS)
-        if not isinstance(parameters, dict):
-            raise invalid_request(
-                f"tools[{i}].function.parameters must be a JSON schema object", param="tools"
-            )
-        functions[name] = parameters
+        functions[function.name] = (
+            function.parameters if function.parameters is not None else _NO_ARGUMENTS
+        )
     return functions
 
 
-def _choice(tool_choice: str | dict[str, Any] | None, functions: dict[str, Any]) -> str:
+def _choice(tool_choice: str | NamedToolChoice | None, functions: dict[str, Any]) -> str:
     """ "none", "auto", "required", or the name of the function to call."""
     if tool_choice is None:
         return "auto" if functions else "none"
     if isinstance(tool_choice, str):
-        if tool_choice not in ("none", "auto", "required"):
-            raise invalid_request(
-                "tool_choice must be 'none', 'auto', 'required' or "
-                "{'type': 'function', 'function': {'name': ...}}",
-                param="tool_choice",
-            )
         if tool_choice == "required" and not functions:
             raise invalid_request("tool_choice 'required' needs tools", param="tool_choice")
         return tool_choice if functions else "none"
-    function = tool_choice.get("function")
-    name = function.get("name") if isinstance(function, dict) else None
-    if tool_choice.get("type") != "function" or not isinstance(name, str):
-        raise invalid_request(
-            "tool_choice must name a function as {'type': 'function', 'function': {'name': ...}}",
-            param="tool_choice",
-        )
+    name = tool_choice.function.name
     if name not in functions:
         raise invalid_request(
             f"tool_choice names {name!r}, which is not in tools", param="tool_choice"
