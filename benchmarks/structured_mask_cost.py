@@ -7,6 +7,10 @@ random-weight model does under constraint, minus the model. Reported: compile ti
 schema, mask time per token (mean, p50, p99), schemas that failed to compile.
 
     python benchmarks/structured_mask_cost.py --schemas 50 --tokens 200
+    python benchmarks/structured_mask_cost.py --vocab 32000   # a realistic vocabulary
+
+``--vocab N`` retrains the tiny model's byte-level BPE to N tokens on a synthetic corpus
+(same special tokens, same ids), since mask cost grows with the vocabulary.
 """
 
 from __future__ import annotations
@@ -173,15 +177,47 @@ def _valid(text: str, schema: dict[str, object]) -> bool:
     return True
 
 
+def widen_vocabulary(model_dir: Path, vocab_size: int, seed: int) -> None:
+    """Retrains ``tokenizer.json`` to ``vocab_size`` tokens, keeping the special tokens."""
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import decoders, models, pre_tokenizers, trainers
+
+    path = model_dir / "tokenizer.json"
+    special = [
+        t["content"]
+        for t in sorted(json.loads(path.read_text())["added_tokens"], key=lambda t: t["id"])
+    ]
+    rng = random.Random(seed)
+    letters = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_-.,:;{}[]\"' "
+    words = ["".join(rng.choices(letters, k=rng.randint(2, 12))) for _ in range(4 * vocab_size)]
+    corpus = [" ".join(rng.choices(words, k=200)) for _ in range(vocab_size // 10)]
+    tokenizer = HFTokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=special,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tokenizer.train_from_iterator(corpus, trainer=trainer)
+    tokenizer.save(str(path))
+    config = json.loads((model_dir / "config.json").read_text())
+    config["vocab_size"] = tokenizer.get_vocab_size()
+    (model_dir / "config.json").write_text(json.dumps(config))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--schemas", type=int, default=50)
     parser.add_argument("--tokens", type=int, default=200)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--arch", default="llama")
+    parser.add_argument("--vocab", type=int, default=None, help="retrain to this many tokens")
     args = parser.parse_args()
     torch.set_num_threads(1)
     model_dir = make_tiny_model(Path(tempfile.mkdtemp()), args.arch)
+    if args.vocab is not None:
+        widen_vocabulary(model_dir, args.vocab, args.seed)
     tok = Tokenizer(model_dir)
     vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
     schemas = [json.dumps(s) for s in random_schemas(args.schemas, args.seed)]

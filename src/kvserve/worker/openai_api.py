@@ -13,6 +13,7 @@ short generation.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from typing import Any
 
@@ -121,6 +122,8 @@ class OpenAIEndpoints:
         tools: ToolPlan | None = None,
     ) -> Response:
         params = _sampling_params(body, max_tokens, structured)
+        if structured is not None:  # built once, here rather than on the engine thread
+            await asyncio.to_thread(self.backend.engine.grammars.prepare)
         generation = Generation(self.backend, self.metrics, fmt, self.model_name, tools)
         try:
             return await generation.respond(

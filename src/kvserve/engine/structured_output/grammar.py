@@ -12,6 +12,7 @@ would otherwise spend its whole budget on blanks.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
@@ -64,7 +65,9 @@ class GrammarMatcher:
 
 class GrammarCompiler:
     """Builds matchers for one tokenizer. The tokenizer's grammar-side form is built at
-    the first structured request, so a worker that never sees one never pays for it."""
+    the first structured request, so a worker that never sees one never pays for it; the
+    worker calls :meth:`prepare` off the engine thread first (0.1–1 s for a large
+    vocabulary), so that the engine's steps never wait for it."""
 
     def __init__(
         self,
@@ -78,6 +81,7 @@ class GrammarCompiler:
         self._eos = sorted(eos_token_ids)
         self._limits = limits
         self._ll_tokenizer: llguidance.LLTokenizer | None = None
+        self._building = threading.Lock()
 
     def matcher(self, spec: StructuredOutput) -> GrammarMatcher:
         """A fresh matcher for ``spec``, or :class:`InvalidRequestError` naming the field
@@ -101,12 +105,17 @@ class GrammarCompiler:
         bitmask: torch.Tensor = llg_torch.allocate_token_bitmask(rows, self.vocab_size)
         return bitmask
 
+    def prepare(self) -> None:
+        """Builds the tokenizer's grammar-side form now (any thread; once)."""
+        self._lltokenizer()
+
     def _lltokenizer(self) -> llguidance.LLTokenizer:
-        if self._ll_tokenizer is None:
-            self._ll_tokenizer = llguidance.LLTokenizer(
-                self._tokenizer.to_json(), n_vocab=self.vocab_size, eos_token=self._eos
-            )
-        return self._ll_tokenizer
+        with self._building:
+            if self._ll_tokenizer is None:
+                self._ll_tokenizer = llguidance.LLTokenizer(
+                    self._tokenizer.to_json(), n_vocab=self.vocab_size, eos_token=self._eos
+                )
+            return self._ll_tokenizer
 
 
 def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
