@@ -65,6 +65,14 @@ def test_auto_picks_the_parser_of_the_model_family(tmp_path, arch, parser) -> No
     plan = plan_tools(TOOLS, "auto", True, template)
     assert plan is not None and plan.structured is None
     assert plan.parse is parser
+    two = (
+        '<tool_call>{"name": "add", "arguments": {}}</tool_call>'
+        '<tool_call>{"name": "get_weather", "arguments": {}}</tool_call>'
+    )
+    single = plan_tools(TOOLS, "auto", False, template)
+    assert single is not None
+    if parser is parse_hermes:  # parallel_tool_calls false: the first call only
+        assert [c.name for c in single.parse(two).calls] == ["add"]
 
 
 def test_each_tool_choice_plans_its_constraint() -> None:

@@ -1,14 +1,18 @@
 """What the router reads from an OpenAI request body to route it.
 
 The router has no tokenizer, so the prompt is text: the completion prompt, or the chat
-messages flattened in order (role, then content). The same conversation flattens to
-the same prefix, which is all the approximate index needs.
+messages flattened in order (role, then content, then any tool calls), after the tools
+the request offers (chat templates render them first, in the system turn, and they are
+part of the prefill). The same conversation flattens to the same prefix, which is all
+the approximate index needs.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from typing import Any
+
+import orjson
 
 from kvserve.core.routing.types import RouteQuery
 
@@ -21,11 +25,22 @@ def _content_text(content: Any) -> str:
     return ""
 
 
+def _json_text(value: Any) -> str:
+    """Tools and tool calls as compact JSON; "" for what does not serialize."""
+    if not value:
+        return ""
+    try:
+        return orjson.dumps(value, option=orjson.OPT_SORT_KEYS).decode() + "\n"
+    except TypeError:
+        return ""
+
+
 def prompt_text(body: Mapping[str, Any]) -> str:
     messages = body.get("messages")
     if isinstance(messages, list):
-        return "".join(
+        return _json_text(body.get("tools")) + "".join(
             f"{m.get('role', '')}\n{_content_text(m.get('content'))}\n"
+            f"{_json_text(m.get('tool_calls'))}"
             for m in messages
             if isinstance(m, dict)
         )

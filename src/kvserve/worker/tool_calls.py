@@ -68,7 +68,8 @@ def plan_tools(
     if choice == "none":
         return None
     if choice == "auto":
-        return ToolPlan(None, _auto_parser(chat_template))
+        parse = _auto_parser(chat_template)
+        return ToolPlan(None, parse if parallel_tool_calls else _first_call(parse))
     if choice == "required":
         return ToolPlan(_required_schema(functions, parallel_tool_calls), _parse_required)
     name = choice
@@ -160,6 +161,16 @@ def _required_schema(functions: dict[str, dict[str, Any]], parallel: bool) -> St
 
 
 # -- answer side -----------------------------------------------------------------------
+
+
+def _first_call(parse: Callable[[str], ParsedOutput]) -> Callable[[str], ParsedOutput]:
+    """``parallel_tool_calls: false`` in auto mode: calls after the first are dropped."""
+
+    def first(text: str) -> ParsedOutput:
+        parsed = parse(text)
+        return ParsedOutput(parsed.content, parsed.calls[:1])
+
+    return first
 
 
 def _parse_required(text: str) -> ParsedOutput:
