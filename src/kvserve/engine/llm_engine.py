@@ -331,9 +331,12 @@ class LLMEngine:
                 failed.add(i)
         masks = unpack_bitmask(bitmask, vocab_size).to(self.runner.device)
         for row, i in enumerate(constrained):
-            if i not in failed and not masks[row].any():
+            if i in failed:
+                continue  # sampled unconstrained, its token dropped
+            if not masks[row].any():
                 self._grammar_failed(generations[i], GrammarError("no token is allowed"))
                 failed.add(i)
+                continue
             samplings[i] = replace(samplings[i], allowed_tokens=masks[row])
         return failed
 

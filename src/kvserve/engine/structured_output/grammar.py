@@ -36,20 +36,27 @@ class GrammarError(RuntimeError):
 
 class GrammarMatcher:
     """Where one sequence stands in its grammar: the tokens allowed next, advanced by
-    each token the sequence accepts."""
+    each token the sequence accepts. Whatever the library raises or reports becomes a
+    :class:`GrammarError`, which ends this sequence alone, never the engine's step."""
 
-    def __init__(self, matcher: llguidance.LLMatcher, vocab_size: int) -> None:
+    def __init__(self, matcher: llguidance.LLMatcher) -> None:
         self._matcher = matcher
-        self._vocab_size = vocab_size
 
     def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
         """Writes the allowed next tokens into ``bitmask[row]`` (one bit per token id)."""
-        llg_torch.fill_next_token_bitmask(self._matcher, bitmask, row)
+        try:
+            llg_torch.fill_next_token_bitmask(self._matcher, bitmask, row)
+        except Exception as err:  # any library fault is this sequence's, not the batch's
+            raise GrammarError(f"mask failed: {err}") from err
         self._raise_if_failed()
 
     def accept(self, token_id: int) -> None:
         """Advances past ``token_id``; :class:`GrammarError` if the grammar refuses it."""
-        if not self._matcher.consume_token(token_id):
+        try:
+            accepted = self._matcher.consume_token(token_id)
+        except Exception as err:  # as in fill_bitmask
+            raise GrammarError(f"advance failed: {err}") from err
+        if not accepted:
             self._raise_if_failed()
             raise GrammarError(f"token {token_id} is not allowed by the grammar")
 
@@ -98,7 +105,7 @@ class GrammarCompiler:
             raise InvalidRequestError(spec.param, f"invalid JSON schema: {err}") from None
         if matcher.is_error():
             raise InvalidRequestError(spec.param, f"invalid JSON schema: {matcher.get_error()}")
-        return GrammarMatcher(matcher, self.vocab_size)
+        return GrammarMatcher(matcher)
 
     def new_bitmask(self, rows: int) -> torch.Tensor:
         """Room for ``rows`` masks: int32 words, one bit per token id."""
