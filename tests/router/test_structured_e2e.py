@@ -7,12 +7,13 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import httpx
 import jsonschema
 import openai
 import pytest
+from pydantic import BaseModel, Field
 
 from kvserve.router.local_fleet import ServerProcess, free_port
 from kvserve.router.prompt_tokens import PromptHasher
@@ -111,6 +112,37 @@ def test_openai_client_gets_schema_valid_json_and_tool_calls_through_the_router(
             finish = choice.finish_reason or finish
     assert finish == "tool_calls"
     jsonschema.validate(json.loads(arguments), params)
+
+
+class Weather(BaseModel):
+    city: str = Field(min_length=1, max_length=8)
+    celsius: int = Field(ge=-50, le=50)
+    sky: Literal["clear", "cloudy", "rain"]
+
+
+def test_openai_parse_helpers_get_pydantic_objects_through_the_router(
+    fleet, model_dir: Path
+) -> None:
+    """``chat.completions.parse`` sends a strict schema built from a pydantic model and
+    parses the answer into it; the same for a function tool made from the model."""
+    router, _ = fleet
+    client = client_of(router)
+    parsed = client.chat.completions.parse(
+        model=model_dir.name, messages=MESSAGES, max_tokens=200, seed=5, response_format=Weather
+    )
+    weather = parsed.choices[0].message.parsed
+    assert isinstance(weather, Weather) and -50 <= weather.celsius <= 50
+
+    called = client.chat.completions.parse(
+        model=model_dir.name,
+        messages=MESSAGES,
+        max_tokens=200,
+        seed=6,
+        tools=[openai.pydantic_function_tool(Weather)],
+        tool_choice={"type": "function", "function": {"name": "Weather"}},
+    )
+    [call] = called.choices[0].message.tool_calls or []
+    assert isinstance(call.function.parsed_arguments, Weather)
 
 
 def test_a_refused_schema_is_relayed_as_the_workers_400(fleet, model_dir: Path) -> None:
