@@ -12,9 +12,11 @@ from kvserve.engine.tiny_model import make_tiny_model
 from kvserve.model_folder.tokenizer import Tokenizer
 from kvserve.worker.errors import APIError
 from kvserve.worker.protocol import NamedToolChoice, ToolSpec
+from kvserve.worker.tool_call_stream import ToolCallStream
 from kvserve.worker.tool_calls import (
     ParsedOutput,
     ToolCall,
+    ToolPlan,
     parse_hermes,
     parse_llama_json,
     plan_tools,
@@ -93,3 +95,36 @@ def test_each_tool_choice_plans_its_constraint() -> None:
     with pytest.raises(APIError) as err:
         plan_tools(TOOLS, "auto", True, None)  # no template: no format to parse
     assert err.value.param == "tool_choice"
+
+
+def stream_of(plan: ToolPlan | None, pieces: list[str]) -> tuple[list[str], ParsedOutput]:
+    """What a stream sends as content piece by piece, and what it parses at the end."""
+    assert plan is not None
+    stream = ToolCallStream(plan)
+    return [stream.push(piece) for piece in pieces], stream.finish()
+
+
+def test_auto_stream_sends_content_at_once_and_holds_from_a_split_marker(tmp_path) -> None:
+    template = Tokenizer(make_tiny_model(tmp_path, "qwen2")).chat_template
+    plan = plan_tools(TOOLS, "auto", True, template)
+    pieces = ["Let me ", "check. <tool", '_call>{"name": "add", ', '"arguments": {}}</tool_call>']
+    sent, parsed = stream_of(plan, pieces)
+    assert sent == ["Let me ", "check. ", "", ""]  # "<tool" waits: it may begin a call
+    assert parsed == ParsedOutput(None, [ToolCall("add", "{}")])
+    sent, parsed = stream_of(plan, ["a <to", "y> b"])  # not a marker after all
+    assert sent == ["a ", "<toy> b"] and parsed == ParsedOutput("", [])
+
+
+def test_llama_stream_holds_only_an_answer_that_opens_like_a_call(tmp_path) -> None:
+    template = Tokenizer(make_tiny_model(tmp_path, "llama")).chat_template
+    plan = plan_tools(TOOLS, "auto", True, template)
+    sent, parsed = stream_of(plan, ["The answer", " is {3}."])
+    assert sent == ["The answer", " is {3}."] and parsed.calls == []
+    sent, parsed = stream_of(plan, [" ", '{"name": "add",', ' "parameters": {"a": 1}}'])
+    assert sent == ["", "", ""]
+    assert parsed == ParsedOutput(None, [ToolCall("add", '{"a": 1}')])
+
+
+def test_a_forced_call_is_held_whole() -> None:
+    sent, parsed = stream_of(plan_tools(TOOLS, NAMED_ADD, True, None), ['{"a"', ": 1}"])
+    assert sent == ["", ""] and parsed.calls == [ToolCall("add", '{"a": 1}')]

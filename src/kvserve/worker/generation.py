@@ -25,7 +25,8 @@ from kvserve.worker.errors import APIError
 from kvserve.worker.json_response import JSONResponse
 from kvserve.worker.metrics import RequestTimer, WorkerMetrics
 from kvserve.worker.responses import ResponseFormat, usage
-from kvserve.worker.tool_calls import ToolPlan
+from kvserve.worker.tool_call_stream import ToolCallStream
+from kvserve.worker.tool_calls import ParsedOutput, ToolPlan
 
 _SSE_DONE = b"data: [DONE]\n\n"
 # The engine ends a request with "error" when its grammar library failed on it.
@@ -139,7 +140,7 @@ class Generation:
         try:
             opening = self.fmt.opening_choice()
             last = None
-            held: list[str] = []  # a tool-call answer goes out whole, once parsed
+            calls = ToolCallStream(self.tools) if self.tools is not None else None
             async for output in outputs:
                 if opening is not None:
                     yield self._sse([opening], include_usage)
@@ -150,10 +151,12 @@ class Generation:
                 if finish == _GRAMMAR_FAILED:
                     yield b"data: " + orjson.dumps(_grammar_failed().body()) + b"\n\n"
                     break
-                if self.tools is not None:
-                    held.append(output.new_text)
+                if calls is not None:
+                    content = calls.push(output.new_text)
+                    if content:
+                        yield self._sse([self.fmt.delta_choice(content, None)], include_usage)
                     if finish is not None:
-                        yield self._sse([self._tool_delta("".join(held), finish)], include_usage)
+                        yield self._sse([self._tool_delta(calls.finish(), finish)], include_usage)
                 elif output.new_text or finish is not None:
                     yield self._sse([self.fmt.delta_choice(output.new_text, finish)], include_usage)
             if include_usage and last is not None:
@@ -166,9 +169,7 @@ class Generation:
             self._abort_unless_finished(outputs)
         yield _SSE_DONE
 
-    def _tool_delta(self, text: str, finish: str) -> dict[str, Any]:
-        assert self.tools is not None
-        parsed = self.tools.parse(text)
+    def _tool_delta(self, parsed: ParsedOutput, finish: str) -> dict[str, Any]:
         choice = self.fmt.delta_choice("", tool_calls.finish_reason(parsed, finish))
         choice["delta"] = tool_calls.delta(parsed)
         return choice

@@ -48,11 +48,27 @@ class ParsedOutput:
 
 
 @dataclass(frozen=True, slots=True)
+class CallMarkers:
+    """Where a template's tool call may begin in free text: at any of ``starts``, anywhere
+    in the answer, or (``leading``) only at its start (after blanks)."""
+
+    starts: tuple[str, ...]
+    leading: bool
+
+
+HERMES_MARKERS = CallMarkers(("<tool_call>",), leading=False)
+LLAMA_MARKERS = CallMarkers(("{", "<|python_tag|>"), leading=True)
+
+
+@dataclass(frozen=True, slots=True)
 class ToolPlan:
-    """How one request's tools shape generation (``structured``) and its answer (``parse``)."""
+    """How one request's tools shape generation (``structured``) and its answer
+    (``parse``); ``markers``: where calls may start in a free answer (auto), None when
+    the whole answer is calls (forced)."""
 
     structured: StructuredOutput | None
     parse: Callable[[str], ParsedOutput]
+    markers: CallMarkers | None = None
 
 
 def plan_tools(
@@ -68,8 +84,8 @@ def plan_tools(
     if choice == "none":
         return None
     if choice == "auto":
-        parse = _auto_parser(chat_template)
-        return ToolPlan(None, parse if parallel_tool_calls else _first_call(parse))
+        parse, markers = _auto_format(chat_template)
+        return ToolPlan(None, parse if parallel_tool_calls else _first_call(parse), markers)
     if choice == "required":
         return ToolPlan(_required_schema(functions, parallel_tool_calls), _parse_required)
     name = choice
@@ -91,7 +107,7 @@ def message(parsed: ParsedOutput) -> dict[str, Any]:
 
 
 def delta(parsed: ParsedOutput) -> dict[str, Any]:
-    """The delta that carries a streamed answer's content and calls, whole."""
+    """The delta that carries a streamed answer's held content and its calls, whole."""
     body: dict[str, Any] = {}
     if parsed.content:
         body["content"] = parsed.content
@@ -181,15 +197,17 @@ def _parse_required(text: str) -> ParsedOutput:
         return ParsedOutput(text, [])
 
 
-def _auto_parser(chat_template: str | list[dict[str, str]] | None) -> Callable[[str], ParsedOutput]:
+def _auto_format(
+    chat_template: str | list[dict[str, str]] | None,
+) -> tuple[Callable[[str], ParsedOutput], CallMarkers]:
     try:
         template = select_template(chat_template, has_tools=True)
     except ChatTemplateError:
         template = None
     if template and "<tool_call>" in template:
-        return parse_hermes
+        return parse_hermes, HERMES_MARKERS
     if template and "tools" in template and "<|start_header_id|>" in template:
-        return parse_llama_json
+        return parse_llama_json, LLAMA_MARKERS
     raise invalid_request(
         "tool_choice 'auto' is not supported for this model: its chat template has no "
         "tool-call format the server can parse; use 'required', a named function, or 'none'",
