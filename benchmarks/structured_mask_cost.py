@@ -28,6 +28,8 @@ from pathlib import Path
 import jsonschema
 import torch
 
+from kvserve.core.structured_output import StructuredOutput
+from kvserve.engine.structured_output import GrammarCompiler
 from kvserve.engine.tiny_model import make_tiny_model
 from kvserve.model_folder.tokenizer import Tokenizer
 from tests.support.json_schemas import random_schemas
@@ -52,28 +54,21 @@ def _allowed(bitmask: torch.Tensor, vocab: int) -> list[int]:
 
 
 def llguidance_factory(model_dir: Path, tok: Tokenizer, vocab: int) -> Callable[[str], Walker]:
-    import llguidance
-    import llguidance.torch as lt
-
-    lltok = llguidance.LLTokenizer(
-        (model_dir / "tokenizer.json").read_text(),
-        n_vocab=vocab,
-        eos_token=sorted(tok.eos_token_ids),
-    )
+    """llguidance as the engine drives it (kvserve's GrammarCompiler and GrammarMatcher)."""
+    compiler = GrammarCompiler(tok, vocab, tok.eos_token_ids)
+    compiler.prepare()
 
     def make(schema: str) -> Walker:
-        grammar = llguidance.LLMatcher.grammar_from_json_schema(
-            schema, defaults={"whitespace_flexible": False}
-        )
-        matcher = llguidance.LLMatcher(lltok, grammar)
-        if matcher.is_error():
-            raise ValueError(matcher.get_error())
-        bitmask = lt.allocate_token_bitmask(1, vocab)
+        matcher = compiler.matcher(StructuredOutput(schema))
+        bitmask = compiler.new_bitmask(1)
 
         def fill() -> None:
-            lt.fill_next_token_bitmask(matcher, bitmask, 0)
+            matcher.fill_bitmask(bitmask, 0)
 
-        return fill, bitmask, matcher.consume_token, matcher.is_stopped
+        def done() -> bool:
+            return matcher.finished
+
+        return fill, bitmask, matcher.accept, done
 
     return make
 

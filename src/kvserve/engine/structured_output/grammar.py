@@ -8,6 +8,10 @@ structured_mask_cost.py``, docs/benchmarks.md): the only library whose output fi
 
 Output is compact JSON (no free whitespace between tokens): a model with random weights
 would otherwise spend its whole budget on blanks.
+
+``llguidance.torch`` is not imported: it decorates a kernel with ``torch.compile`` at
+import, which loads TorchDynamo (seconds at every worker start); the matcher's own call
+that writes a mask into memory is all that is needed.
 """
 
 from __future__ import annotations
@@ -17,7 +21,6 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 import llguidance
-import llguidance.torch as llg_torch
 import torch
 
 from kvserve.core.structured_output import StructuredOutput
@@ -44,8 +47,10 @@ class GrammarMatcher:
 
     def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
         """Writes the allowed next tokens into ``bitmask[row]`` (one bit per token id)."""
+        words = bitmask[row]  # int32 on the CPU, from GrammarCompiler.new_bitmask
         try:
-            llg_torch.fill_next_token_bitmask(self._matcher, bitmask, row)
+            # writes the row in place, without the GIL
+            self._matcher.unsafe_compute_mask_ptr(words.data_ptr(), words.numel() * 4)
         except Exception as err:  # any library fault is this sequence's, not the batch's
             raise GrammarError(f"mask failed: {err}") from err
         self._raise_if_failed()
@@ -109,8 +114,7 @@ class GrammarCompiler:
 
     def new_bitmask(self, rows: int) -> torch.Tensor:
         """Room for ``rows`` masks: int32 words, one bit per token id."""
-        bitmask: torch.Tensor = llg_torch.allocate_token_bitmask(rows, self.vocab_size)
-        return bitmask
+        return torch.zeros((rows, (self.vocab_size + 31) // 32), dtype=torch.int32)
 
     def prepare(self) -> None:
         """Builds the tokenizer's grammar-side form now (any thread; once)."""
