@@ -178,6 +178,7 @@ def test_json_object_on_completions_and_max_tokens_cut_reported_as_length(worker
     cut_call = chat(worker, tools=[tool("f", long_string)], tool_choice=forced, max_tokens=3)
     choice = cut_call["choices"][0]
     assert choice["finish_reason"] == "length"
+    assert "tool_calls" not in choice["message"] and choice["message"]["content"]
 
 
 @pytest.mark.parametrize(

@@ -85,6 +85,7 @@ def test_each_tool_choice_plans_its_constraint() -> None:
     # a function without parameters takes an empty object
     assert json.loads(named.structured.json_schema)["additionalProperties"] is False
     assert named.parse('{"a": 1}').calls == [ToolCall("add", '{"a": 1}')]
+    assert named.parse('{"a": ') == ParsedOutput('{"a": ', [])  # cut short: text
     required = plan_tools(TOOLS, "required", False, None)
     assert required is not None and required.structured is not None
     schema = json.loads(required.structured.json_schema)

@@ -88,9 +88,8 @@ def plan_tools(
         return ToolPlan(None, parse if parallel_tool_calls else _first_call(parse), markers)
     if choice == "required":
         return ToolPlan(_required_schema(functions, parallel_tool_calls), _parse_required)
-    name = choice
-    schema = StructuredOutput(json.dumps(functions[name]), param="tools")
-    return ToolPlan(schema, lambda text: ParsedOutput(None, [ToolCall(name, text)]))
+    schema = StructuredOutput(json.dumps(functions[choice]), param="tools")
+    return ToolPlan(schema, _named_parser(choice))
 
 
 def finish_reason(parsed: ParsedOutput, reason: str | None) -> str | None:
@@ -187,6 +186,19 @@ def _first_call(parse: Callable[[str], ParsedOutput]) -> Callable[[str], ParsedO
         return ParsedOutput(parsed.content, parsed.calls[:1])
 
     return first
+
+
+def _named_parser(name: str) -> Callable[[str], ParsedOutput]:
+    """The whole answer is the function's arguments (unless cut short: then text)."""
+
+    def parse(text: str) -> ParsedOutput:
+        try:
+            json.loads(text)
+        except ValueError:
+            return ParsedOutput(text, [])
+        return ParsedOutput(None, [ToolCall(name, text)])
+
+    return parse
 
 
 def _parse_required(text: str) -> ParsedOutput:
