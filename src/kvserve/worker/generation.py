@@ -6,6 +6,9 @@ choices keep their indexes. Whatever ends the request early (the client hanging 
 handler being cancelled at shutdown, an engine fault) aborts every choice still running
 in the engine, so that its blocks are freed at once and never wait for a generation
 nobody will read.
+
+A chat request with tools reads each choice's answer back as tool calls
+(:mod:`kvserve.worker.tool_calls`): every choice on its own, collected or streamed.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from starlette.responses import Response, StreamingResponse
 from starlette.types import Receive
 
 from kvserve.engine.logprobs import TokenLogprob
+from kvserve.worker import tool_calls
 from kvserve.worker.choices import ChoicePlan, ChoiceSet
 from kvserve.worker.engine_bridge import RequestAborted
 from kvserve.worker.errors import APIError
@@ -32,8 +36,12 @@ from kvserve.worker.json_response import JSONResponse
 from kvserve.worker.logprob_format import LegacyLogprobs, TokenTexts, chat_logprobs
 from kvserve.worker.metrics import RequestTimer, WorkerMetrics
 from kvserve.worker.responses import ResponseFormat, usage
+from kvserve.worker.tool_call_stream import ToolCallStream
+from kvserve.worker.tool_calls import ToolPlan
 
 _SSE_DONE = b"data: [DONE]\n\n"
+# The engine ends a request with "error" when its grammar library failed on it.
+_GRAMMAR_FAILED = "error"
 
 T = TypeVar("T")
 
@@ -45,7 +53,8 @@ _REQUEST_NUMBERS = itertools.count()
 
 @dataclass(frozen=True, slots=True)
 class ResponseOptions:
-    """How the choices' outputs are shown: echoed prompts, logprobs, usage in a stream."""
+    """How the choices' outputs are shown: echoed prompts, logprobs, usage in a stream,
+    tool calls read back from the answers."""
 
     echo_texts: list[str] | None = None  # per prompt: text to put before each choice's
     logprobs: bool = False  # the choices' logprobs are returned
@@ -53,6 +62,7 @@ class ResponseOptions:
     # best_of: the choices of a prompt returned are this many with the highest sum of
     # sampled-token logprobs (None: all, in order)
     keep_best: int | None = None
+    tools: ToolPlan | None = None
 
 
 @dataclass(slots=True)
@@ -68,6 +78,7 @@ class _Choice:
     started: bool = False
     last: Any = None  # its latest output
     cumulative_logprob: float = 0.0  # of its sampled tokens
+    calls: ToolCallStream | None = None  # a streamed answer's held tool calls
 
 
 class Generation:
@@ -121,10 +132,9 @@ class Generation:
             raise APIError(503, f"Request aborted: {exc}") from exc
         if done is None:
             return Response(status_code=499)  # the client is gone; nobody reads this
-        choices = [
-            self.fmt.choice(index, "".join(c.texts), c.last.finish_reason, self._whole_logprobs(c))
-            for index, c in enumerate(self._returned())
-        ]
+        if any(c.last.finish_reason == _GRAMMAR_FAILED for c in self._choices):
+            raise _grammar_failed()
+        choices = [self._whole_choice(index, c) for index, c in enumerate(self._returned())]
         return JSONResponse(
             self.fmt.response(self.request_id, self.model, self.created, choices, self._usage())
         )
@@ -145,9 +155,11 @@ class Generation:
                         yield self._sse([opening])
                 text = self._take(choice, output)
                 finish = output.finish_reason if output.finished else None
-                logprobs = self._delta_logprobs(choice)
-                if text or finish is not None or logprobs is not None:
-                    yield self._sse([self.fmt.delta_choice(index, text, finish, logprobs)])
+                if finish == _GRAMMAR_FAILED:
+                    yield b"data: " + orjson.dumps(_grammar_failed().body()) + b"\n\n"
+                    break
+                for delta in self._deltas(index, choice, text, finish):
+                    yield self._sse([delta])
             if self.options.include_usage:
                 yield self._sse([], self._usage())
         except RequestAborted as exc:
@@ -156,6 +168,41 @@ class Generation:
         finally:
             self._abort_unfinished()
         yield _SSE_DONE
+
+    def _whole_choice(self, index: int, choice: _Choice) -> dict[str, Any]:
+        """A collected choice; with tools its answer is read back as calls, choice by
+        choice (each choice is its own answer)."""
+        text = "".join(choice.texts)
+        reason = choice.last.finish_reason
+        body = self.fmt.choice(index, text, reason, self._whole_logprobs(choice))
+        if self.options.tools is not None:
+            parsed = self.options.tools.parse(text)
+            body["message"] = tool_calls.message(parsed)
+            body["finish_reason"] = tool_calls.finish_reason(parsed, reason)
+        return body
+
+    def _deltas(
+        self, index: int, choice: _Choice, text: str, finish: str | None
+    ) -> list[dict[str, Any]]:
+        """The stream chunks' choices for one output of a choice: its text (with tools,
+        what may be streamed of it now) and logprobs, and with tools its calls at the end."""
+        logprobs = self._delta_logprobs(choice)
+        if self.options.tools is None:
+            if text or finish is not None or logprobs is not None:
+                return [self.fmt.delta_choice(index, text, finish, logprobs)]
+            return []
+        if choice.calls is None:
+            choice.calls = ToolCallStream(self.options.tools)
+        deltas = []
+        content = choice.calls.push(text)
+        if content or logprobs is not None:
+            deltas.append(self.fmt.delta_choice(index, content, None, logprobs))
+        if finish is not None:
+            parsed = choice.calls.finish()
+            last = self.fmt.delta_choice(index, "", tool_calls.finish_reason(parsed, finish), None)
+            last["delta"] = tool_calls.delta(parsed)
+            deltas.append(last)
+        return deltas
 
     def _take(self, choice: _Choice, output: Any) -> str:
         """Records one output of a choice; returns the text it adds to the choice."""
@@ -240,6 +287,14 @@ class Generation:
         if self.options.include_usage:
             body["usage"] = usage_body
         return b"data: " + orjson.dumps(body) + b"\n\n"
+
+
+def _grammar_failed() -> APIError:
+    return APIError(
+        500,
+        "Structured output failed in the grammar library; the worker log has the cause.",
+        code="structured_output_failed",
+    )
 
 
 async def _unless_disconnected(receive: Receive, work: Coroutine[Any, Any, T]) -> T | None:
