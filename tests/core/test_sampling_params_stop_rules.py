@@ -75,5 +75,5 @@ def test_request_rejects_empty_prompt_and_negative_budget():
         Request("r", [], SamplingParams(), max_tokens=1, namespace=b"", block_size=4)
     with pytest.raises(ValueError, match="max_tokens"):
         Request("r", [1], SamplingParams(), max_tokens=-1, namespace=b"", block_size=4)
-    # 0 is a prompt scored for its logprobs, with nothing generated.
+    # 0: the prompt is only scored (echo with prompt logprobs)
     assert Request("r", [1], SamplingParams(), max_tokens=0, namespace=b"", block_size=4)

@@ -5,6 +5,8 @@ that requests are preempted mid-prompt and mid-generation."""
 
 from __future__ import annotations
 
+import json
+import math
 import random
 from functools import cache
 
@@ -13,6 +15,7 @@ import torch
 import transformers
 
 from kvserve.core.sampling_params import SamplingParams
+from kvserve.core.structured_output import StructuredOutput
 from kvserve.engine.llm_engine import LLMEngine
 from kvserve.engine.logprobs import TokenLogprob
 from kvserve.engine.outputs import RequestOutput
@@ -143,3 +146,37 @@ def test_after_preemption(model_dir, oracle):
     for i, prompt in enumerate(prompts):
         check_prompt_logprobs(results[f"p-{i}"], prompt, oracle)
         check_sample_logprobs(results[f"p-{i}"], prompt, oracle)
+
+
+def test_structured_output_logprobs_are_the_unmasked_ones(model_dir, oracle):
+    """The sampler masks the logits in place for a grammar; logprobs are taken before,
+    so they are finite and are the model's own log-softmax (top alternatives include
+    tokens the grammar forbade), while the tokens still follow the grammar. A free
+    request in the same batch is unaffected by its neighbours' masks."""
+    schema = {
+        "type": "object",
+        "properties": {"ok": {"type": "boolean"}, "mood": {"enum": ["calm", "windy"]}},
+        "required": ["ok", "mood"],
+        "additionalProperties": False,
+    }
+    structured = StructuredOutput(json.dumps(schema))
+    engine = LLMEngine(model_dir, block_size=BLOCK_SIZE, num_blocks=256, dtype="float32")
+    prompt = PROMPTS[2]
+    requests = {
+        "greedy": (prompt, SamplingParams(temperature=0, max_tokens=60, logprobs=TOP,
+                                          structured_output=structured)),
+        "seeded": (prompt, SamplingParams(seed=5, max_tokens=60, logprobs=TOP,
+                                          structured_output=structured)),
+        "free": (PROMPTS[1], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True,
+                                            logprobs=TOP)),
+    }  # fmt: skip
+    results = collect(engine, requests)
+    for request_id in ("greedy", "seeded"):
+        outputs = results[request_id]
+        assert outputs[-1].finish_reason == "stop"
+        assert json.loads("".join(o.new_text for o in outputs)).keys() == {"ok", "mood"}
+        entries = [lp for o in outputs for lp in (o.logprobs or [])]
+        assert all(math.isfinite(e.logprob) for e in entries)
+        assert all(math.isfinite(v) for e in entries for _, v in e.top)
+        check_sample_logprobs(outputs, prompt, oracle)
+    check_sample_logprobs(results["free"], PROMPTS[1], oracle)

@@ -273,9 +273,7 @@ def test_chat_n_choices_streamed_each_open_with_their_role(client: openai.OpenAI
 @pytest.mark.parametrize(
     "fields",
     [
-        {"response_format": {"type": "json_object"}},
-        {"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]},
-        {"tool_choice": "required"},
+        {"function_call": "auto"},
         {"presence_penalty": 0.5},
         {"logit_bias": {"5": 10}},
     ],

@@ -5,6 +5,7 @@ All of it twice: over the built-in TCP transfer and over the Mooncake Transfer E
 
 from __future__ import annotations
 
+import json
 import socket
 import threading
 import time
@@ -155,6 +156,36 @@ def test_pd_output_is_the_mixed_workers_greedy_output(fleet: Fleet) -> None:
         for url in (fleet.router.url, fleet.mixed.url)
     ]
     assert answers[0]["choices"][0]["message"] == answers[1]["choices"][0]["message"]
+    assert_at_baseline(fleet)
+
+
+def test_structured_output_and_forced_tool_calls_in_pd_mode(fleet: Fleet) -> None:
+    """The decode worker serves /pd/v1 as /v1: constrained output and tool calls, with the
+    prompt's KV from the prefill worker."""
+    schema = {
+        "type": "object",
+        "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}},
+        "required": ["n"],
+        "additionalProperties": False,
+    }
+    base = {"model": "tiny", "max_tokens": 60, "seed": 0}
+    messages = [{"role": "user", "content": words("delta", 120)}]
+    response_format = {"type": "json_schema", "json_schema": {"name": "n", "schema": schema}}
+    answer = httpx.post(
+        fleet.router.url + "/v1/chat/completions",
+        json={**base, "messages": messages, "response_format": response_format},
+        timeout=60,
+    )
+    assert answer.status_code == 200, answer.text
+    assert_served_by(fleet, answer, "remote", prefill_worker=True)
+    assert 0 <= json.loads(answer.json()["choices"][0]["message"]["content"])["n"] <= 9
+    tool = {"type": "function", "function": {"name": "count", "parameters": schema}}
+    named = {"type": "function", "function": {"name": "count"}}
+    body = {**base, "messages": messages, "tools": [tool], "tool_choice": named}
+    called = httpx.post(fleet.router.url + "/v1/chat/completions", json=body, timeout=60).json()
+    assert called["choices"][0]["finish_reason"] == "tool_calls"
+    [call] = called["choices"][0]["message"]["tool_calls"]
+    assert json.loads(call["function"]["arguments"]).keys() == {"n"}
     assert_at_baseline(fleet)
 
 

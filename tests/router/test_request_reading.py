@@ -23,6 +23,27 @@ def test_chat_messages_flatten_in_order_with_roles() -> None:
     assert prompt_text(body) == "system\nBe brief.\nuser\nHi\n"
 
 
+def test_tools_and_tool_calls_count_in_a_chat_prompt() -> None:
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    call = {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    body = {
+        "tools": tools,
+        "messages": [
+            {"role": "user", "content": "Hi"},
+            {"role": "assistant", "content": None, "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": "c", "content": "ok"},
+        ],
+    }
+    text = prompt_text(body)
+    assert text.startswith('[{"function":{"name":"f","parameters":{"type":"object"}}')
+    assert text.endswith(
+        'user\nHi\nassistant\n\n[{"function":{"arguments":"{}","name":"f"},'
+        '"id":"c","type":"function"}]\ntool\nok\n'
+    )
+    # without tools, as before
+    assert prompt_text({"messages": body["messages"][:1]}) == "user\nHi\n"
+
+
 @pytest.mark.parametrize(
     ("prompt", "text"),
     [

@@ -188,9 +188,8 @@ def test_worker_still_serves_after_bad_input(worker: ServerProcess) -> None:
     ("changes", "param", "code"),
     [
         ({"frobnicate": 1}, "frobnicate", "invalid_value"),
-        ({"response_format": {"type": "json_object"}}, "response_format", "unsupported_parameter"),
-        ({"tools": [{"type": "function"}]}, "tools", "unsupported_parameter"),
-        ({"tool_choice": "auto"}, "tool_choice", "unsupported_parameter"),
+        ({"functions": [{"name": "f"}]}, "functions", "unsupported_parameter"),
+        ({"function_call": "auto"}, "function_call", "unsupported_parameter"),
         ({"presence_penalty": 0.5}, "presence_penalty", "unsupported_parameter"),
         ({"frequency_penalty": -1.0}, "frequency_penalty", "unsupported_parameter"),
         ({"logit_bias": {"5": 100}}, "logit_bias", "unsupported_parameter"),
@@ -211,6 +210,40 @@ def test_a_field_the_worker_does_not_honour_is_named(
     error = assert_error(response, 400, param)
     assert error["code"] == code
     assert param in error["message"]
+
+
+@pytest.mark.parametrize(
+    ("changes", "param"),
+    [
+        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+        ({"tool_choice": "auto"}, "tool_choice"),
+        ({"parallel_tool_calls": False}, "parallel_tool_calls"),
+    ],
+)
+def test_tools_on_completions_are_named(
+    worker: ServerProcess, changes: dict[str, Any], param: str
+) -> None:
+    """Chat serves tools; the completions API has none, so they are refused there."""
+    with api(worker) as client:
+        response = client.post("/v1/completions", json=valid(worker, **changes))
+    assert assert_error(response, 400, param)["code"] == "unsupported_parameter"
+
+
+@pytest.mark.parametrize(
+    ("changes", "path"),
+    [
+        ({"response_format": {"type": "json_object", "strict": True}}, "response_format.strict"),
+        ({"tools": [{"type": "function", "function": {"name": "f"}, "x": 1}]}, "tools.0.x"),
+    ],
+)
+def test_an_unknown_field_inside_a_structured_field_is_named(
+    worker: ServerProcess, changes: dict[str, Any], path: str
+) -> None:
+    """OpenAI's ``param`` is the top-level field; the message has the full path."""
+    body = valid(worker, prompt=..., messages=[{"role": "user", "content": "hi"}], **changes)
+    with api(worker) as client:
+        response = client.post("/v1/chat/completions", json=body)
+    assert path in assert_error(response, 400, path.split(".")[0])["message"]
 
 
 @pytest.mark.parametrize(

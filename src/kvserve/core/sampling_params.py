@@ -10,6 +10,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from kvserve.core.structured_output import StructuredOutput
+
 _GREEDY_BELOW = 1e-5
 # Alternatives returned per token: OpenAI's own bound for top_logprobs.
 MAX_LOGPROBS = 20
@@ -31,6 +33,7 @@ class SamplingParams:
     disable those filters. ``max_tokens=None`` lets the request run to the end of the
     model's context.
     A ``seed`` makes the request's samples reproducible whatever else is in the batch.
+    ``structured_output`` constrains every sampled token to a grammar (JSON schema).
 
     ``logprobs=k`` returns each sampled token's log-probability and the ``k`` most likely
     alternatives (0: the sampled token's alone); ``prompt_logprobs=k`` the same for every
@@ -49,6 +52,7 @@ class SamplingParams:
     min_tokens: int = 0
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    structured_output: StructuredOutput | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -95,6 +99,11 @@ class SamplingParams:
             raise InvalidParameterError(
                 "min_tokens",
                 f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})",
+            )
+        if self.structured_output is not None and self.min_tokens > 0:
+            # The grammar alone decides where a structured output may end.
+            raise InvalidParameterError(
+                "min_tokens", "min_tokens cannot be combined with structured output"
             )
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise InvalidParameterError("stop", "stop strings must be non-empty strings")

@@ -10,8 +10,9 @@ KV tiers and prefill/decode disaggregation are KV connectors
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -41,10 +42,18 @@ from kvserve.engine.logprobs import TokenLogprob, log_softmax, token_logprobs
 from kvserve.engine.model_runner import ModelRunner, SequenceBatchItem
 from kvserve.engine.outputs import RequestOutput
 from kvserve.engine.sampler import Sampler, SamplingRow, seeded_generator
+from kvserve.engine.structured_output import (
+    GrammarCompiler,
+    GrammarError,
+    GrammarMatcher,
+    unpack_bitmask,
+)
 from kvserve.model_folder.config import ModelConfig
 from kvserve.model_folder.tokenizer import IncrementalDetokenizer, Tokenizer
 
 DEFAULT_KV_CACHE_MEMORY = 1 << 30
+
+logger = logging.getLogger(__name__)
 
 C = TypeVar("C", bound=KVConnector)
 
@@ -59,6 +68,7 @@ class _Generation:
     holdback: int  # trailing characters that may still turn into a stop string
     text: str = ""  # output text so far, stop string cut
     num_sent_chars: int = 0  # of ``text``
+    grammar: GrammarMatcher | None = None  # structured output: what may come next
     # Prompt logprobs as the prompt's chunks are computed; handed out with the first output.
     prompt_logprobs: list[TokenLogprob | None] | None = None
     prompt_logprobs_done: bool = True
@@ -151,6 +161,7 @@ class LLMEngine:
             SchedulerConnectors(self.connectors) if self.connectors else None,
         )
         self.sampler = Sampler(self.runner.device, seed)
+        self.grammars = GrammarCompiler(self.tokenizer, config.vocab_size, self.eos_token_ids)
         # Offline callers read only the final text: detokenizing once per request instead
         # of once per token saves two tokenizer calls per token (stop strings still need
         # the text every step).
@@ -181,6 +192,9 @@ class LLMEngine:
                 f"{self.max_model_len} and at least one must be generated",
             )
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
+        grammar = None
+        if params.structured_output is not None:
+            grammar = self.grammars.matcher(params.structured_output)
         request = Request(
             request_id,
             token_ids,
@@ -197,6 +211,7 @@ class LLMEngine:
             self.tokenizer.detokenizer(token_ids),
             SamplingRow(params, generator),
             stop_holdback(params.stop),
+            grammar=grammar,
         )
         if params.prompt_logprobs is not None:
             generation.prompt_logprobs = [None] * len(token_ids)
@@ -311,16 +326,23 @@ class LLMEngine:
             sampled = logits
         else:
             sampled = logits[rows]
+        samplings = [self._sampling_row(g) for g in generations]
+        failed = self._apply_grammars(generations, samplings, sampled.shape[1])
+        # The sampler masks ``sampled`` in place (grammar, suppressed tokens): logprobs are
+        # taken from the raw logits first, so a masked token never reads as -inf.
         wanted = [j for j, g in enumerate(generations) if g.request.params.logprobs is not None]
-        row_logprobs = log_softmax(sampled[wanted]) if wanted else None  # before any mask
-        tokens = self.sampler.sample(sampled, [self._sampling_row(g) for g in generations])
+        row_logprobs = log_softmax(sampled[wanted]) if wanted else None
+        tokens = self.sampler.sample(sampled, samplings)
         chosen: dict[int, TokenLogprob] = {}
         if row_logprobs is not None:
             for row, j in enumerate(wanted):
                 num_top = generations[j].request.params.logprobs or 0
                 chosen[j] = token_logprobs(row_logprobs[row : row + 1], [tokens[j]], num_top)[0]
         for j, (generation, token) in enumerate(zip(generations, tokens, strict=True)):
-            outputs.append(self._append_token(generation, token, chosen.get(j)))
+            if j in failed:
+                outputs.append(self._finish(generation.request, "error"))
+            else:
+                outputs.append(self._append_token(generation, token, chosen.get(j)))
         return outputs, dropped
 
     def _last_rows(
@@ -356,6 +378,40 @@ class LLMEngine:
             generation.prompt_logprobs_done = True
             request.reuse_prefix = True  # a preempted request may now resume from cache
 
+    def _apply_grammars(
+        self, generations: list[_Generation], samplings: list[SamplingRow], vocab_size: int
+    ) -> set[int]:
+        """Gives every constrained row its grammar's mask of allowed tokens; returns the
+        rows whose grammar failed (they end with ``"error"``, the rest of the batch goes
+        on)."""
+        constrained = [i for i, g in enumerate(generations) if g.grammar is not None]
+        if not constrained:
+            return set()
+        bitmask = self.grammars.new_bitmask(len(constrained))
+        failed: set[int] = set()
+        for row, i in enumerate(constrained):
+            grammar = generations[i].grammar
+            assert grammar is not None
+            try:
+                grammar.fill_bitmask(bitmask, row)
+            except GrammarError as err:
+                self._grammar_failed(generations[i], err)
+                failed.add(i)
+        masks = unpack_bitmask(bitmask, vocab_size).to(self.runner.device)
+        for row, i in enumerate(constrained):
+            if i in failed:
+                continue  # sampled unconstrained, its token dropped
+            if not masks[row].any():
+                self._grammar_failed(generations[i], GrammarError("no token is allowed"))
+                failed.add(i)
+                continue
+            samplings[i] = replace(samplings[i], allowed_tokens=masks[row])
+        return failed
+
+    @staticmethod
+    def _grammar_failed(generation: _Generation, error: GrammarError) -> None:
+        logger.error("structured output of %s failed: %s", generation.request.request_id, error)
+
     def _batch_item(self, chunk: ScheduledChunk) -> SequenceBatchItem:
         request = chunk.request
         return SequenceBatchItem(
@@ -379,8 +435,16 @@ class LLMEngine:
         self, generation: _Generation, token: int, logprob: TokenLogprob | None
     ) -> RequestOutput:
         request = generation.request
+        if generation.grammar is not None:
+            try:
+                generation.grammar.accept(token)
+            except GrammarError as err:
+                self._grammar_failed(generation, err)
+                return self._finish(request, "error")
         request.token_ids.append(token)
         reason = token_finish_reason(request, self.eos_token_ids)
+        if reason is None and generation.grammar is not None and generation.grammar.finished:
+            reason = "stop"  # complete, even where end of text is ignored (ignore_eos)
         stops = request.params.stop
         new_text = ""
         if self._stream_text or stops:

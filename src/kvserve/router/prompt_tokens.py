@@ -1,8 +1,8 @@
 """The prompt tokens a worker will compute for an OpenAI request, and their block hashes.
 
 The router loads the model's tokenizer and chat template (torch-free) and renders a
-request exactly as the worker does (:mod:`kvserve.worker.openai_api`): chat messages as
-``{"role", "content"}`` with the text parts joined, through the template with the
+request exactly as the worker does (:mod:`kvserve.worker.openai_api`): chat messages and
+tools as :mod:`kvserve.model_folder.chat_request` gives them to the template, with the
 generation prompt; a completion prompt encoded with the tokenizer's special tokens, or
 taken as token ids. The hashes are then the engine's own chain over the model's
 namespace, so the router's view of every worker's cache is exact.
@@ -19,26 +19,11 @@ import jinja2
 
 from kvserve.core.hashing import block_hashes, make_namespace
 from kvserve.core.routing.types import PromptBlocks
+from kvserve.model_folder.chat_request import template_message, template_tools
 from kvserve.model_folder.chat_template import ChatTemplateError
 from kvserve.model_folder.errors import ModelLoadError
 from kvserve.model_folder.tokenizer import Tokenizer
 from kvserve.router.route_query import completion_prompts
-
-
-def _template_message(message: Mapping[str, Any]) -> dict[str, Any]:
-    """As the worker hands a message to the chat template (role, text, name if given)."""
-    chat = {"role": message.get("role"), "content": _message_text(message.get("content"))}
-    if isinstance(message.get("name"), str):
-        chat["name"] = message["name"]
-    return chat
-
-
-def _message_text(content: Any) -> str:
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        return "".join(p.get("text", "") for p in content if isinstance(p, dict))
-    return ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,8 +58,11 @@ class PromptHasher:
         messages = body.get("messages")
         try:
             if isinstance(messages, list):
-                chat = [_template_message(m) for m in messages if isinstance(m, dict)]
-                return _PromptText(self.tokenizer.apply_chat_template(chat), False)
+                chat = [template_message(m) for m in messages if isinstance(m, dict)]
+                text = self.tokenizer.apply_chat_template(
+                    chat, tools=template_tools(body.get("tools"))
+                )
+                return _PromptText(text, False)
         except (ChatTemplateError, jinja2.TemplateError):
             return None
         prompts = completion_prompts(body)  # a list of prompts is routed on its first

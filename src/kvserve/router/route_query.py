@@ -1,8 +1,10 @@
 """What the router reads from an OpenAI request body to route it.
 
 The router has no tokenizer, so the prompt is text: the completion prompt, or the chat
-messages flattened in order (role, then content). The same conversation flattens to
-the same prefix, which is all the approximate index needs.
+messages flattened in order (role, then content, then any tool calls), after the tools
+the request offers (chat templates render them first, in the system turn, and they are
+part of the prefill). The same conversation flattens to the same prefix, which is all
+the approximate index needs.
 
 A completion with a list of prompts is one request to one worker: it is routed on its
 first prompt (the worker serves them all, so a cache hit of the first is a real hit, and
@@ -16,22 +18,28 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+import orjson
+
 from kvserve.core.routing.types import RouteQuery
+from kvserve.model_folder.chat_request import message_text
 
 
-def _content_text(content: Any) -> str:
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):  # multi-part content: keep the text parts
-        return "".join(part.get("text", "") for part in content if isinstance(part, dict))
-    return ""
+def _json_text(value: Any) -> str:
+    """Tools and tool calls as compact JSON; "" for what does not serialize."""
+    if not value:
+        return ""
+    try:
+        return orjson.dumps(value, option=orjson.OPT_SORT_KEYS).decode() + "\n"
+    except TypeError:
+        return ""
 
 
 def prompt_text(body: Mapping[str, Any]) -> str:
     messages = body.get("messages")
     if isinstance(messages, list):
-        return "".join(
-            f"{m.get('role', '')}\n{_content_text(m.get('content'))}\n"
+        return _json_text(body.get("tools")) + "".join(
+            f"{m.get('role', '')}\n{message_text(m.get('content'))}\n"
+            f"{_json_text(m.get('tool_calls'))}"
             for m in messages
             if isinstance(m, dict)
         )

@@ -13,6 +13,9 @@ load it holds without streaming: the headers leave when every choice has its fir
 (``x-kvserve-first-token: 1``), the body when generation ends (a worker that ignores the
 request sends neither). An engine fault after the headers can no longer change the
 status: the body is then the OpenAI error body, which the router turns back into a 503.
+
+A chat request with tools reads each choice's answer back as tool calls
+(:mod:`kvserve.worker.tool_calls`): every choice on its own, collected or streamed.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from starlette.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from kvserve.engine.logprobs import TokenLogprob
+from kvserve.worker import tool_calls
 from kvserve.worker.choices import ChoicePlan, ChoiceSet
 from kvserve.worker.engine_bridge import RequestAborted
 from kvserve.worker.errors import APIError
@@ -39,10 +43,14 @@ from kvserve.worker.json_response import JSONResponse
 from kvserve.worker.logprob_format import LegacyLogprobs, TokenTexts, chat_logprobs
 from kvserve.worker.metrics import RequestTimer, WorkerMetrics
 from kvserve.worker.responses import ResponseFormat, usage
+from kvserve.worker.tool_call_stream import ToolCallStream
+from kvserve.worker.tool_calls import ToolPlan
 
 _SSE_DONE = b"data: [DONE]\n\n"
 FIRST_TOKEN_HEADER = "x-kvserve-first-token"
 FIRST_TOKEN_REQUEST = "headers"
+# The engine ends a request with "error" when its grammar library failed on it.
+_GRAMMAR_FAILED = "error"
 
 T = TypeVar("T")
 
@@ -54,7 +62,8 @@ _REQUEST_NUMBERS = itertools.count()
 
 @dataclass(frozen=True, slots=True)
 class ResponseOptions:
-    """How the choices' outputs are shown: echoed prompts, logprobs, usage in a stream."""
+    """How the choices' outputs are shown: echoed prompts, logprobs, usage in a stream,
+    tool calls read back from the answers."""
 
     echo_texts: list[str] | None = None  # per prompt: text to put before each choice's
     logprobs: bool = False  # the choices' logprobs are returned
@@ -62,6 +71,7 @@ class ResponseOptions:
     # best_of: the choices of a prompt returned are this many with the highest sum of
     # sampled-token logprobs (None: all, in order)
     keep_best: int | None = None
+    tools: ToolPlan | None = None
 
 
 @dataclass(slots=True)
@@ -77,6 +87,7 @@ class _Choice:
     started: bool = False
     last: Any = None  # its latest output
     cumulative_logprob: float = 0.0  # of its sampled tokens
+    calls: ToolCallStream | None = None  # a streamed answer's held tool calls
 
 
 class Generation:
@@ -128,6 +139,8 @@ class Generation:
             raise APIError(503, f"Request aborted: {exc}") from exc
         if done is None:
             return Response(status_code=499)  # the client is gone; nobody reads this
+        if self._any_grammar_failed():
+            raise _grammar_failed()
         return JSONResponse(self._body())
 
     async def _collect_after_first_tokens(self, receive: Receive) -> Response:
@@ -169,11 +182,11 @@ class Generation:
         return True
 
     def _body(self) -> dict[str, Any]:
-        choices = [
-            self.fmt.choice(index, "".join(c.texts), c.last.finish_reason, self._whole_logprobs(c))
-            for index, c in enumerate(self._returned())
-        ]
+        choices = [self._whole_choice(index, c) for index, c in enumerate(self._returned())]
         return self.fmt.response(self.request_id, self.model, self.created, choices, self._usage())
+
+    def _any_grammar_failed(self) -> bool:
+        return any(c.last.finish_reason == _GRAMMAR_FAILED for c in self._choices)
 
     async def _events(self) -> AsyncIterator[bytes]:
         """Server-sent events; a cancelled iteration (client gone) aborts the requests.
@@ -191,9 +204,11 @@ class Generation:
                         yield self._sse([opening])
                 text = self._take(choice, output)
                 finish = output.finish_reason if output.finished else None
-                logprobs = self._delta_logprobs(choice)
-                if text or finish is not None or logprobs is not None:
-                    yield self._sse([self.fmt.delta_choice(index, text, finish, logprobs)])
+                if finish == _GRAMMAR_FAILED:
+                    yield b"data: " + orjson.dumps(_grammar_failed().body()) + b"\n\n"
+                    break
+                for delta in self._deltas(index, choice, text, finish):
+                    yield self._sse([delta])
             if self.options.include_usage:
                 yield self._sse([], self._usage())
         except RequestAborted as exc:
@@ -202,6 +217,41 @@ class Generation:
         finally:
             self._abort_unfinished()
         yield _SSE_DONE
+
+    def _whole_choice(self, index: int, choice: _Choice) -> dict[str, Any]:
+        """A collected choice; with tools its answer is read back as calls, choice by
+        choice (each choice is its own answer)."""
+        text = "".join(choice.texts)
+        reason = choice.last.finish_reason
+        body = self.fmt.choice(index, text, reason, self._whole_logprobs(choice))
+        if self.options.tools is not None:
+            parsed = self.options.tools.parse(text)
+            body["message"] = tool_calls.message(parsed)
+            body["finish_reason"] = tool_calls.finish_reason(parsed, reason)
+        return body
+
+    def _deltas(
+        self, index: int, choice: _Choice, text: str, finish: str | None
+    ) -> list[dict[str, Any]]:
+        """The stream chunks' choices for one output of a choice: its text (with tools,
+        what may be streamed of it now) and logprobs, and with tools its calls at the end."""
+        logprobs = self._delta_logprobs(choice)
+        if self.options.tools is None:
+            if text or finish is not None or logprobs is not None:
+                return [self.fmt.delta_choice(index, text, finish, logprobs)]
+            return []
+        if choice.calls is None:
+            choice.calls = ToolCallStream(self.options.tools)
+        deltas = []
+        content = choice.calls.push(text)
+        if content or logprobs is not None:
+            deltas.append(self.fmt.delta_choice(index, content, None, logprobs))
+        if finish is not None:
+            parsed = choice.calls.finish()
+            last = self.fmt.delta_choice(index, "", tool_calls.finish_reason(parsed, finish), None)
+            last["delta"] = tool_calls.delta(parsed)
+            deltas.append(last)
+        return deltas
 
     def _take(self, choice: _Choice, output: Any) -> str:
         """Records one output of a choice; returns the text it adds to the choice."""
@@ -312,10 +362,19 @@ class _AfterFirstTokensResponse(Response):
             else:
                 if done is None:
                     return  # the client is gone
-                body = generation._body()
+                failed = generation._any_grammar_failed()
+                body = _grammar_failed().body() if failed else generation._body()
         finally:
             generation._abort_unfinished()
         await send({"type": "http.response.body", "body": orjson.dumps(body)})
+
+
+def _grammar_failed() -> APIError:
+    return APIError(
+        500,
+        "Structured output failed in the grammar library; the worker log has the cause.",
+        code="structured_output_failed",
+    )
 
 
 async def _unless_disconnected(receive: Receive, work: Coroutine[Any, Any, T]) -> T | None:

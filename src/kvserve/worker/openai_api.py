@@ -13,6 +13,7 @@ short generation.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import time
 from collections.abc import Sequence
@@ -25,6 +26,7 @@ from starlette.responses import Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from kvserve.core.sampling_params import InvalidParameterError, SamplingParams
+from kvserve.core.structured_output import StructuredOutput
 from kvserve.model_folder.chat_template import ChatTemplateError
 from kvserve.worker.choices import ChoicePlan
 from kvserve.worker.errors import (
@@ -39,7 +41,9 @@ from kvserve.worker.json_response import JSONResponse
 from kvserve.worker.logprob_format import TokenTexts
 from kvserve.worker.metrics import WorkerMetrics
 from kvserve.worker.protocol import ChatCompletionRequest, CompletionRequest, SamplingRequest
+from kvserve.worker.response_format import structured_output
 from kvserve.worker.responses import CHAT, COMPLETION, ResponseFormat
+from kvserve.worker.tool_calls import plan_tools
 
 
 class OpenAIEndpoints:
@@ -88,9 +92,9 @@ class OpenAIEndpoints:
         }
 
     def chat_prompt(self, body: ChatCompletionRequest) -> list[int]:
-        messages = [m.template_message() for m in body.messages]
+        messages, tools = body.template_input()
         try:
-            token_ids: list[int] = self.backend.engine.tokenizer.encode_chat(messages)
+            token_ids: list[int] = self.backend.engine.tokenizer.encode_chat(messages, tools=tools)
             return token_ids
         except (ChatTemplateError, jinja2.TemplateError) as exc:
             # A template may refuse a conversation (e.g. roles that do not alternate).
@@ -111,15 +115,33 @@ class OpenAIEndpoints:
         samples = body.samples_per_prompt()
         # best_of ranks by the sampled tokens' logprobs: computed even if not returned
         logprobs = body.logprobs if samples == body.n else (body.logprobs or 0)
-        plans = self._plans(body, prompts, max_tokens, logprobs, prompt_logprobs, samples)
+        base = _sampling_params(
+            body, max_tokens, logprobs, prompt_logprobs, structured_output(body.response_format)
+        )
+        plans = self._plans(body, prompts, base, samples)
         return await self._generate(request, body, COMPLETION, plans, options)
 
     async def chat_completion(self, request: Request, body: ChatCompletionRequest) -> Response:
         self.check_request(body)
+        tools = plan_tools(
+            body.tools,
+            body.tool_choice,
+            body.parallel_tool_calls,
+            self.backend.engine.tokenizer.chat_template,
+        )
+        structured = structured_output(body.response_format)
+        if tools is not None and tools.structured is not None:
+            if structured is not None:
+                raise invalid_request(
+                    "response_format cannot be combined with a forced tool call",
+                    param="response_format",
+                )
+            structured = tools.structured
         prompt = self.chat_prompt(body)
         logprobs = body.num_logprobs()
-        options = ResponseOptions(None, logprobs is not None, _stream_usage(body))
-        plans = self._plans(body, [prompt], body.requested_max_tokens(), logprobs, None, body.n)
+        options = ResponseOptions(None, logprobs is not None, _stream_usage(body), tools=tools)
+        base = _sampling_params(body, body.requested_max_tokens(), logprobs, None, structured)
+        plans = self._plans(body, [prompt], base, body.n)
         return await self._generate(request, body, CHAT, plans, options)
 
     def _prompt_text(self, prompt: str | list[int]) -> str:
@@ -132,18 +154,17 @@ class OpenAIEndpoints:
         self,
         body: SamplingRequest,
         prompts: Sequence[str | list[int]],
-        max_tokens: int | None,
-        logprobs: int | None,
-        prompt_logprobs: int | None,
+        base: SamplingParams,
         samples: int,
     ) -> list[ChoicePlan]:
         """``samples`` choices per prompt, indexed prompt by prompt. Choice ``i`` of a
         prompt has seed ``seed + i``: reproducible, and the same for a prompt sent alone
-        or in a list. Choices after the first fork from its prompt blocks."""
+        or in a list. Choices after the first fork from its prompt blocks. Each choice is
+        its own engine request, so a structured output gets a grammar matcher per choice."""
         if self.single_choice and len(prompts) * samples > 1:
             param = "n" if body.n > 1 else "prompt"
             raise invalid_request(f"{param}: one choice per request on this route", param=param)
-        base = _sampling_params(body, max_tokens, logprobs, prompt_logprobs)
+        forks = base.max_tokens != 0  # echo only: nothing to share but the prompt
         plans = []
         for prompt_index, prompt in enumerate(prompts):
             first = prompt_index * samples
@@ -152,9 +173,8 @@ class OpenAIEndpoints:
                 fork_of = None
                 if sample > 0:
                     seed = None if base.seed is None else base.seed + sample
-                    forks = max_tokens != 0  # echo only: nothing to share but the prompt
                     params = dataclasses.replace(
-                        base, seed=seed, prompt_logprobs=None if forks else prompt_logprobs
+                        base, seed=seed, prompt_logprobs=None if forks else base.prompt_logprobs
                     )
                     fork_of = first if forks else None
                 plans.append(ChoicePlan(first + sample, prompt_index, prompt, params, fork_of))
@@ -168,6 +188,9 @@ class OpenAIEndpoints:
         plans: list[ChoicePlan],
         options: ResponseOptions,
     ) -> Response:
+        if plans[0].params.structured_output is not None:
+            # the grammar library's tokenizer is built once, here, not on the engine thread
+            await asyncio.to_thread(self.backend.engine.grammars.prepare)
         generation = Generation(
             self.backend, self.metrics, fmt, self.model_name, plans, options, self.token_texts
         )
@@ -186,8 +209,10 @@ def _sampling_params(
     max_tokens: int | None,
     logprobs: int | None,
     prompt_logprobs: int | None,
+    structured: StructuredOutput | None,
 ) -> SamplingParams:
     fields: dict[str, Any] = {
+        "structured_output": structured,
         "max_tokens": max_tokens,
         "top_k": body.top_k if body.top_k is not None else 0,
         "seed": body.seed,

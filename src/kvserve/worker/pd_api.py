@@ -125,7 +125,8 @@ class PDService:
         request: Request,
         body: CompletionRequest | ChatCompletionRequest,
     ) -> Response:
-        """As the ``/v1`` route would, with the PD session in the engine's place."""
+        """As the ``/v1`` route would, with the PD session in the engine's place (one
+        engine request, so one choice, per HTTP request)."""
         prefill_url = request.headers.get(PREFILL_HEADER) or None
         assert self._receiver is not None, "decode role only"
         session = PDDecodeSession(
