@@ -1,7 +1,8 @@
 """``kvserve up`` end to end: a fresh cache, real kvserve workers behind the router, the
 cache-aware policy finding the worker that holds a prefix, PD mode answering as mixed mode
 does (and pairing with kv_aware from both pools' KV events), and a clean stop on Ctrl-C or
-SIGTERM that leaves no process behind."""
+SIGTERM that leaves no process behind; the client limits given to ``up`` reach the router
+and every worker."""
 
 from __future__ import annotations
 
@@ -18,6 +19,8 @@ import pytest
 
 from kvserve.router.config import POLICY_NAMES
 from kvserve.router.local_fleet import KVSERVE_COMMAND, ServerProcess
+from tests.support import client_limit_checks as checks
+from tests.support.client_limit_checks import MAX_HEADER_BYTES
 from tests.support.metrics_text import samples
 from tests.support.up_fleet import start_up
 
@@ -262,3 +265,28 @@ def test_api_key_guards_the_router_and_the_workers_and_the_router_sends_it(
         assert httpx.get(worker_url + "/load", headers=auth, timeout=10).status_code == 200
     finally:
         up.stop()
+
+
+def test_client_limits_given_to_up_reach_the_router_and_the_workers(cache_dir: Path) -> None:
+    up = start_up(
+        cache_dir, "--workers", "1", "--runner", "sim", "--max-header-bytes", str(MAX_HEADER_BYTES)
+    )
+    try:
+        worker_url = httpx.get(up.url + "/workers", timeout=10).json()["workers"][0]["url"]
+        checks.oversized_headers_get_431(up.url, "/health", {})
+        checks.oversized_headers_get_431(worker_url, "/health", {})
+    finally:
+        up.stop()
+
+
+def test_up_refuses_client_limits_that_make_no_sense(tmp_path: Path) -> None:
+    done = subprocess.run(
+        [*KVSERVE_COMMAND, "up", "--max-header-bytes", "10", "--port", "1"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "KVSERVE_CACHE_DIR": str(tmp_path)},
+    )
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert "max header bytes must be at least 1024" in done.stderr
+    assert not (tmp_path / "models").exists()  # refused before anything was made

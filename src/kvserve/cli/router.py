@@ -6,8 +6,14 @@ from typing import Annotated, cast
 
 import typer
 
-from kvserve.cli.client_limit_options import LIMITS, client_limit
-from kvserve.core.client_limits import ClientLimits
+from kvserve.cli.client_limit_options import (
+    LIMITS,
+    BodyTimeout,
+    HeaderTimeout,
+    MaxConnections,
+    MaxHeaderBytes,
+    limits_from_flags,
+)
 
 _TUNING = "Policy tuning"
 _RELIABILITY = "Retries, circuit breaker, health checks"
@@ -140,18 +146,10 @@ def register(app: typer.Typer) -> None:
                 "5 ms, a GPU's; on a CPU a decode costs about what a prompt token does)."
             ),
         ] = None,
-        header_timeout: Annotated[float, client_limit("Seconds a request's headers may take.")] = (
-            LIMITS.header_timeout_s
-        ),
-        body_timeout: Annotated[float, client_limit("Seconds a request's body may take.")] = (
-            LIMITS.body_timeout_s
-        ),
-        max_header_bytes: Annotated[int, client_limit("Request line and headers (431 beyond).")] = (
-            LIMITS.max_header_bytes
-        ),
-        max_connections: Annotated[int, client_limit("Connections at once (503 beyond).")] = (
-            LIMITS.max_connections
-        ),
+        header_timeout: HeaderTimeout = LIMITS.header_timeout_s,
+        body_timeout: BodyTimeout = LIMITS.body_timeout_s,
+        max_header_bytes: MaxHeaderBytes = LIMITS.max_header_bytes,
+        max_connections: MaxConnections = LIMITS.max_connections,
     ) -> None:
         """Route OpenAI requests over workers (defaults match sglang-router's)."""
         from kvserve.core.routing.cache_aware import CacheAwareConfig
@@ -216,7 +214,7 @@ def register(app: typer.Typer) -> None:
                 ),
                 request_timeout_s=request_timeout,
                 max_request_bytes=max_request_bytes,
-                client_limits=ClientLimits(
+                client_limits=limits_from_flags(
                     header_timeout, body_timeout, max_header_bytes, max_connections
                 ),
             )

@@ -16,6 +16,15 @@ from typing import Annotated, cast
 
 import typer
 
+from kvserve.cli.client_limit_options import (
+    LIMITS,
+    BodyTimeout,
+    HeaderTimeout,
+    MaxConnections,
+    MaxHeaderBytes,
+    client_limit_args,
+    limits_from_flags,
+)
 from kvserve.core.routing.policies import POLICY_NAMES
 
 TINY_MODEL_NAME = "tiny-llama"
@@ -126,6 +135,10 @@ def register(app: typer.Typer) -> None:
                 "workers require it too (--api-key) and the router sends it (--worker-api-key)."
             ),
         ] = None,
+        header_timeout: HeaderTimeout = LIMITS.header_timeout_s,
+        body_timeout: BodyTimeout = LIMITS.body_timeout_s,
+        max_header_bytes: MaxHeaderBytes = LIMITS.max_header_bytes,
+        max_connections: MaxConnections = LIMITS.max_connections,
     ) -> None:
         """Start workers and a router on this machine and keep them running: a worker that
         exits is restarted on its port (with backoff; crash loops are reported). Ctrl-C
@@ -136,6 +149,10 @@ def register(app: typer.Typer) -> None:
             raise typer.BadParameter(
                 f"choose one of {', '.join(POLICY_NAMES)}", param_hint="--policy"
             )
+        # The router and every worker face clients alike: one set of limits for all.
+        limit_args = client_limit_args(
+            limits_from_flags(header_timeout, body_timeout, max_header_bytes, max_connections)
+        )
         taken = port_taken(host, port)
         if taken is not None:
             typer.echo(
@@ -169,7 +186,9 @@ def register(app: typer.Typer) -> None:
                 runner=runner,
                 sim_profile=sim_profile,
                 kv_transfer=kv_transfer,  # read by PD workers only
-            ),
+            )
+            + limit_args,
+            router_args=limit_args,
             api_key=api_key,
         )
         if decode:

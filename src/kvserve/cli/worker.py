@@ -8,8 +8,14 @@ from typing import Annotated
 
 import typer
 
-from kvserve.cli.client_limit_options import LIMITS, client_limit
-from kvserve.core.client_limits import ClientLimits
+from kvserve.cli.client_limit_options import (
+    LIMITS,
+    BodyTimeout,
+    HeaderTimeout,
+    MaxConnections,
+    MaxHeaderBytes,
+    limits_from_flags,
+)
 
 
 def register(app: typer.Typer) -> None:
@@ -107,18 +113,10 @@ def register(app: typer.Typer) -> None:
             str | None,
             typer.Option(help="With --kv-events-publisher: its replay socket (tcp://*:PORT)."),
         ] = None,
-        header_timeout: Annotated[float, client_limit("Seconds a request's headers may take.")] = (
-            LIMITS.header_timeout_s
-        ),
-        body_timeout: Annotated[float, client_limit("Seconds a request's body may take.")] = (
-            LIMITS.body_timeout_s
-        ),
-        max_header_bytes: Annotated[int, client_limit("Request line and headers (431 beyond).")] = (
-            LIMITS.max_header_bytes
-        ),
-        max_connections: Annotated[int, client_limit("Connections at once (503 beyond).")] = (
-            LIMITS.max_connections
-        ),
+        header_timeout: HeaderTimeout = LIMITS.header_timeout_s,
+        body_timeout: BodyTimeout = LIMITS.body_timeout_s,
+        max_header_bytes: MaxHeaderBytes = LIMITS.max_header_bytes,
+        max_connections: MaxConnections = LIMITS.max_connections,
     ) -> None:
         """Serve one engine: OpenAI API, /health, /load, /metrics, KV events."""
         from kvserve.core.routing.pd_pair import PDConfig
@@ -166,12 +164,9 @@ def register(app: typer.Typer) -> None:
             )
         except ValueError as error:
             raise typer.BadParameter(str(error)) from error
-        try:
-            client_limits = ClientLimits(
-                header_timeout, body_timeout, max_header_bytes, max_connections
-            )
-        except ValueError as error:
-            raise typer.BadParameter(str(error)) from error
+        client_limits = limits_from_flags(
+            header_timeout, body_timeout, max_header_bytes, max_connections
+        )
         if kv_storage is not None and not is_storage_url(kv_storage):
             raise typer.BadParameter(f"use {storage_usage()}", param_hint="--kv-storage")
         logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(message)s")

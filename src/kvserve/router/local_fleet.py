@@ -210,6 +210,7 @@ class LocalFleet:
         prefill: int = 0,
         decode: int = 0,
         worker_args: Sequence[str] = (),
+        router_args: Sequence[str] = (),
         api_key: str | None = None,
     ) -> None:
         if prefill and not decode:
@@ -220,6 +221,7 @@ class LocalFleet:
             raise ValueError("a fleet needs at least one worker")
         self._model_dir = model_dir
         self._worker_args = list(worker_args)  # ``kvserve worker`` flags every worker gets
+        self._router_args = list(router_args)  # and ``kvserve router`` flags the router gets
         self._workers = len(self._roles)
         self._policy = policy
         self._api_key = api_key  # one key for the router's clients, the router and the workers
@@ -249,7 +251,7 @@ class LocalFleet:
             for worker in workers:
                 worker.wait_healthy(timeout_s)
             args = [*KVSERVE_COMMAND, "router", "--policy", self._policy, "--host", self._host]
-            args += ["--port", str(self._port), *_LOCAL_HEALTH_CHECKS]
+            args += ["--port", str(self._port), *_LOCAL_HEALTH_CHECKS, *self._router_args]
             if self._api_key is not None:
                 args += ["--api-key", self._api_key, "--worker-api-key", self._api_key]
             if self._policy == "kv_aware":  # workers serve a model name, not the folder
