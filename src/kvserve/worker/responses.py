@@ -55,16 +55,7 @@ class ResponseFormat:
         self, index: int, text: str, finish_reason: str | None, logprobs: dict[str, Any] | None
     ) -> dict[str, Any]:
         """One whole choice of a response that is not streamed."""
-        choice: dict[str, Any] = {
-            "index": index,
-            "logprobs": logprobs,
-            "finish_reason": finish_reason,
-        }
-        if self.chat:
-            choice["message"] = {"role": "assistant", "content": text}
-        else:
-            choice["text"] = text
-        return choice
+        return self._choice(index, text, finish_reason, logprobs, streamed=False)
 
     def chunk(
         self,
@@ -84,15 +75,32 @@ class ResponseFormat:
     def delta_choice(
         self, index: int, text: str, finish_reason: str | None, logprobs: dict[str, Any] | None
     ) -> dict[str, Any]:
+        """One choice of a stream chunk: the text that is new since the last chunk."""
+        return self._choice(index, text, finish_reason, logprobs, streamed=True)
+
+    def _choice(
+        self,
+        index: int,
+        text: str,
+        finish_reason: str | None,
+        logprobs: dict[str, Any] | None,
+        *,
+        streamed: bool,
+    ) -> dict[str, Any]:
+        """Whole and streamed choices share every field but where the text goes: a text
+        completion's ``text`` either way, chat's ``message`` or ``delta`` (empty with no
+        new text, as OpenAI's last chunk of a choice is)."""
         choice: dict[str, Any] = {
             "index": index,
             "logprobs": logprobs,
             "finish_reason": finish_reason,
         }
-        if self.chat:
+        if not self.chat:
+            choice["text"] = text
+        elif streamed:
             choice["delta"] = {"content": text} if text else {}
         else:
-            choice["text"] = text
+            choice["message"] = {"role": "assistant", "content": text}
         return choice
 
     def opening_choice(self, index: int) -> dict[str, Any] | None:
