@@ -53,6 +53,25 @@ def test_bad_requests_get_openai_errors(client: httpx.Client) -> None:
     assert client.post("/v1/completions", json=[1], headers=API).status_code == 400
 
 
+def test_a_body_over_the_bound_is_refused_by_the_middleware_before_any_handler(
+    client: httpx.Client,
+) -> None:
+    """Without a key: the handler would answer 401, so a 413 can only be the body-size
+    middleware's; streamed in chunks with no length given, the bound holds too."""
+    expected = {
+        "message": "request body too large",
+        "type": "invalid_request_error",
+        "param": None,
+        "code": "request_too_large",
+    }
+    for sent in (
+        client.post("/v1/completions", json={"prompt": "x" * 5000}),
+        client.post("/v1/chat/completions", content=iter([b"{" + b" " * 1024] * 5)),
+    ):
+        assert sent.status_code == 413, sent.text
+        assert sent.json() == {"error": expected}
+
+
 def test_workers_added_and_removed_at_run_time(
     client: httpx.Client, foreign_fleet: list[ServerProcess]
 ) -> None:

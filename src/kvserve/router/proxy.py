@@ -90,10 +90,7 @@ class Proxy:
         self.upstream = UpstreamClient(config.worker_headers(), config.request_timeout_s)
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
-        try:
-            raw = await request.read()
-        except web.HTTPRequestEntityTooLarge:
-            return self._reject(413, "request body too large", "request_too_large")
+        raw = await request.read()  # read (and bounded: 413) by client_guard's middleware
         try:
             body = orjson.loads(raw)
         except orjson.JSONDecodeError:
