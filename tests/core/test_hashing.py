@@ -7,7 +7,7 @@ import xxhash
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvserve.core.hashing import HashChain, block_hashes, make_namespace, root_hash
+from kvserve.core.hashing import HashChain, block_hashes, make_namespace, root_hash, salted
 
 NS = make_namespace("tiny-llama")
 
@@ -27,6 +27,14 @@ def reference_chain(tokens, block_size, namespace):
 def test_namespace_layout():
     assert NS == b"kvserve/1\x00tiny-llama\x00\x00"
     assert make_namespace("m", "l", "s") == b"kvserve/1\x00m\x00l\x00s"
+
+
+def test_a_salt_is_the_namespace_made_with_it_and_no_salt_changes_nothing():
+    assert salted(NS, None) is NS and salted(NS, "") is NS
+    assert salted(NS, "tenant-a") == make_namespace("tiny-llama", None, "tenant-a")
+    tokens = list(range(32))
+    a, b = (block_hashes(tokens, 16, salted(NS, s)) for s in ("tenant-a", "tenant-b"))
+    assert not {*a} & {*b} and not {*a} & {*block_hashes(tokens, 16, NS)}
 
 
 def test_golden_values():

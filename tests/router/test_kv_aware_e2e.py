@@ -204,3 +204,37 @@ async def test_subscriber_resyncs_from_a_restarted_workers_snapshot(model_dir: P
         for server in (worker, restarted):
             if server is not None:
                 server.stop()
+
+
+def test_salted_prompts_are_hashed_and_routed_as_the_workers_cache_them(
+    fleet, model_dir: Path
+) -> None:
+    """Salts A, A, B through the router: the worker caches A's blocks under the hashes
+    the router computes, the second A follows them and is served from them, and B
+    matches nothing anywhere."""
+    router, workers = fleet
+    system = "Salted prompt about harbours, tides and the ships between them. " * 8
+
+    def send(salt: str, question: str) -> tuple[dict, httpx.Response]:
+        body = {"model": str(model_dir), "max_tokens": 2, "prompt": system + question}
+        body["cache_salt"] = salt
+        return body, httpx.post(f"{router.url}/v1/completions", json=body, timeout=30)
+
+    body, first = send("tenant-a", "first")
+    holder = first.headers["x-kvserve-worker"]
+    listed = httpx.get(f"{router.url}/workers", timeout=10).json()["workers"]
+    [url] = [w["url"] for w in listed if w["id"] == holder]
+    [worker] = [w for w in workers if w.url == url]
+    salted = PromptHasher(model_dir).blocks(body, BLOCK)
+    unsalted = PromptHasher(model_dir).blocks({**body, "cache_salt": ""}, BLOCK)
+    assert salted is not None and unsalted is not None and len(salted.reusable_hashes) >= 4
+    held = snapshot_hashes(worker)
+    assert set(salted.reusable_hashes) <= held
+    assert not set(unsalted.reusable_hashes) & held
+    wait_until_indexed(router.url, holder)
+    _, again = send("tenant-a", "second")
+    assert again.headers["x-kvserve-worker"] == holder, again.headers["x-kvserve-decision"]
+    assert again.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+    _, other = send("tenant-b", "third")
+    assert other.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    assert "reason=cache_hit" not in other.headers["x-kvserve-decision"]

@@ -219,6 +219,19 @@ def test_prefill_cache_hits_and_decode_side_reuse(fleet: Fleet) -> None:
     assert_at_baseline(fleet)
 
 
+def test_a_cache_salt_keeps_prefill_and_decode_caches_apart(fleet: Fleet) -> None:
+    """Salts A, A, B and none over one shared part: only the second A is served from
+    cache (the prefill worker's, or the decode worker's own)."""
+    shared = words("salted", 150)
+    first = complete(fleet.router.url, shared + " " + words("one", 50), cache_salt="A")
+    again = complete(fleet.router.url, shared + " " + words("two", 50), cache_salt="A")
+    other = complete(fleet.router.url, shared + " " + words("three", 50), cache_salt="B")
+    plain = complete(fleet.router.url, shared + " " + words("four", 50))
+    assert cached_tokens(first) == 0 and cached_tokens(again) >= 16 * 20
+    assert cached_tokens(other) == 0 and cached_tokens(plain) == 0
+    assert_at_baseline(fleet)
+
+
 def test_pd_serves_logprobs_and_refuses_several_choices(fleet: Fleet) -> None:
     """A PD decode route serves one choice per request: logprobs yes, n > 1 a 400."""
     response = complete(fleet.router.url, words("lp", 40), logprobs=2)

@@ -81,6 +81,24 @@ def test_session_key_from_header_then_user_field() -> None:
     assert key({"user": 7}, {}) is None
 
 
+def test_a_salt_keys_the_prompt_text_apart_and_no_salt_leaves_it_as_it_was() -> None:
+    def text(**fields: object) -> str:
+        body = {"prompt": "x" * 400, "model": "m", **fields}
+        return build_route_query(body, {}, session_header="h", chars_per_token=4).text
+
+    plain = text()
+    assert plain == "x" * 400 and text(cache_salt="") == plain
+    a, b = text(cache_salt="tenant-a"), text(cache_salt="tenant-b")
+    assert a == text(cache_salt="tenant-a") and a.endswith(plain) and b.endswith(plain)
+    assert a[0] != plain[0] and b[0] != plain[0]  # no shared prefix with the unsalted text
+    assert a.index("\x00") == b.index("\x00") == 16  # fixed-length digest, then NUL
+    query = build_route_query(
+        {"prompt": "x" * 400, "model": "m", "cache_salt": "s"}, {}, session_header="h",
+        chars_per_token=4,
+    )  # fmt: skip
+    assert query.prefill_tokens == 100  # the salt adds no work
+
+
 def test_prefill_estimate_is_characters_over_four() -> None:
     query = build_route_query(
         {"prompt": "x" * 400, "model": "m"}, {}, session_header="h", chars_per_token=4

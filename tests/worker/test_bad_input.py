@@ -69,6 +69,8 @@ def assert_error(response: httpx.Response, status: int, param: str | None) -> di
         ({"prompt": [10**6]}, "prompt"),
         ({"model": ...}, "model"),
         ({"model": 7}, "model"),
+        ({"cache_salt": 7}, "cache_salt"),
+        ({"cache_salt": "s" * 1025}, "cache_salt"),
     ],
 )
 def test_invalid_completion_parameter_is_named(

@@ -91,6 +91,39 @@ def test_second_request_sharing_a_long_prefix_reports_cached_tokens(
     assert second.usage.prompt_tokens_details.cached_tokens == 96
 
 
+def test_cache_salt_keeps_requests_from_sharing_cached_blocks(worker: ServerProcess) -> None:
+    """Salts A, A, B: the second A is served from the first's blocks, B from none; an
+    empty salt is no salt, and the unsalted prompt does not see the salted blocks."""
+    client = openai_client(worker)
+    model = served_model(worker)
+    prefix = [(i * 11) % 200 + 10 for i in range(96)]  # six full blocks, unseen elsewhere
+
+    def cached(tail: int, salt: str | None) -> int:
+        extra = {} if salt is None else {"extra_body": {"cache_salt": salt}}
+        result = client.completions.create(
+            model=model, prompt=[*prefix, tail], max_tokens=1, **extra
+        )
+        return result.usage.prompt_tokens_details.cached_tokens
+
+    assert [cached(1, "A"), cached(2, "A"), cached(3, "B")] == [0, 96, 0]
+    assert [cached(4, None), cached(5, ""), cached(6, None)] == [0, 96, 96]
+
+
+def test_cache_salt_on_chat(worker: ServerProcess) -> None:
+    client = openai_client(worker)
+    messages = [{"role": "user", "content": "salted chat about lanterns and rivers " * 8}]
+
+    def cached(salt: str) -> int:
+        result = client.chat.completions.create(
+            model=served_model(worker), messages=messages, max_tokens=1,
+            extra_body={"cache_salt": salt},
+        )  # fmt: skip
+        return result.usage.prompt_tokens_details.cached_tokens
+
+    first, again, other = cached("A"), cached("A"), cached("B")
+    assert first == 0 and again > 0 and other == 0
+
+
 def test_seed_makes_sampling_reproducible(worker: ServerProcess) -> None:
     client = openai_client(worker)
 

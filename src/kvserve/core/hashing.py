@@ -38,6 +38,14 @@ def make_namespace(model: str, lora: str | None = None, cache_salt: str | None =
     return _NAMESPACE_TAG + b"\x00".join(p.encode("utf-8") for p in parts)
 
 
+def salted(namespace: bytes, cache_salt: str | None) -> bytes:
+    """A request's namespace: the engine's (made with no salt) with the request's
+    ``cache_salt``, i.e. ``make_namespace(model, lora, cache_salt)``. Requests with
+    different salts share no block (the salt is in the root and so in every hash of the
+    chain); no salt, or an empty one, leaves the namespace as it is."""
+    return namespace + cache_salt.encode("utf-8") if cache_salt else namespace
+
+
 def root_hash(namespace: bytes) -> int:
     """``h(-1)``: the parent of a prompt's first block."""
     return _xxh3_64(namespace)

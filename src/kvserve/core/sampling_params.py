@@ -39,6 +39,10 @@ class SamplingParams:
     alternatives (0: the sampled token's alone); ``prompt_logprobs=k`` the same for every
     prompt token but the first, which ``max_tokens=0`` then allows without generating
     (OpenAI's ``echo`` with ``max_tokens: 0``, which eval harnesses score with).
+
+    ``cache_salt`` (vLLM's request field) is not a sampling rule but travels with them to
+    the engine: requests with different salts never share cached KV blocks (tenants that
+    must not learn from each other's cache hits); none or "" shares as before.
     """
 
     max_tokens: int | None = 16
@@ -53,6 +57,7 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     structured_output: StructuredOutput | None = None
+    cache_salt: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -111,6 +116,8 @@ class SamplingParams:
             raise InvalidParameterError(
                 "stop_token_ids", "stop_token_ids must be non-negative integers"
             )
+        if self.cache_salt is not None and not isinstance(self.cache_salt, str):
+            raise InvalidParameterError("cache_salt", "cache_salt must be a string")
 
     @property
     def greedy(self) -> bool:

@@ -18,7 +18,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from kvserve.core.hashing import make_namespace
+from kvserve.core.hashing import make_namespace, salted
 from kvserve.core.kv_cache_manager import KVCacheManager
 from kvserve.core.kv_connector import SchedulerConnectors
 from kvserve.core.kv_events import EventLog
@@ -200,7 +200,7 @@ class LLMEngine:
             token_ids,
             params,
             max_tokens=max_tokens,
-            namespace=self.namespace,
+            namespace=salted(self.namespace, params.cache_salt),
             block_size=self.kv_cache.block_size,
         )
         generator = (

@@ -12,7 +12,7 @@ ends first (aborted, rejected, a failed step) tells its sink it failed.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Protocol
 
 import torch
@@ -98,14 +98,17 @@ def start_export(
     first_block: int,
     num_blocks: int,
     sink: ExportSink,
+    cache_salt: str | None = None,
 ) -> None:
     """Compute blocks ``[0, num_blocks)`` of ``token_ids`` on ``engine`` (built with a
-    :class:`PDExporter`); ship ``[first_block, ...)`` to ``sink``. Engine thread only."""
+    :class:`PDExporter`); ship ``[first_block, ...)`` to ``sink``. The decode request's
+    ``cache_salt`` keys the blocks here as it does there. Engine thread only."""
     block_size = engine.kv_cache.block_size
     if not 0 <= first_block < num_blocks or num_blocks * block_size >= len(token_ids):
         raise InvalidRequestError(
             "num_blocks", f"cannot export blocks [{first_block}, {num_blocks})"
         )
     exporter = engine.connector(PDExporter)
-    engine.add_request(export_id, token_ids[: num_blocks * block_size + 1], _EXPORT_PARAMS)
+    params = replace(_EXPORT_PARAMS, cache_salt=cache_salt)
+    engine.add_request(export_id, token_ids[: num_blocks * block_size + 1], params)
     exporter.track(export_id, first_block, num_blocks, sink)

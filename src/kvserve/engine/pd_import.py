@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvserve.core.hashing import block_hashes
+from kvserve.core.hashing import block_hashes, salted
 from kvserve.core.kv_lease import LeaseTable
 from kvserve.core.request import Request, RequestStatus
 from kvserve.core.routing.pd_pair import PDConfig, prefill_remotely
@@ -86,7 +86,9 @@ class PDImporter(KVConnector):
     def num_reservations(self) -> int:
         return len(self._reserved)
 
-    def reserve(self, lease_id: str, token_ids: list[int], now: float) -> Reservation:
+    def reserve(
+        self, lease_id: str, token_ids: list[int], now: float, cache_salt: str | None = None
+    ) -> Reservation:
         """Match the prompt here and, if a prefill worker should compute the rest, hold
         blocks for it under a lease. Raises :class:`InvalidRequestError` on a prompt
         that leaves no room to generate."""
@@ -98,7 +100,8 @@ class PDImporter(KVConnector):
         cache = self._cache
         block_size = cache.block_size
         num_blocks = (len(token_ids) - 1) // block_size
-        hashes = block_hashes(token_ids[: num_blocks * block_size], block_size, self._namespace)
+        namespace = salted(self._namespace, cache_salt)  # as the request's own chain
+        hashes = block_hashes(token_ids[: num_blocks * block_size], block_size, namespace)
         key = _lease_key(lease_id)
         cached = cache.match_prefix(key, hashes)
         remote = prefill_remotely(len(token_ids), cached * block_size, self.pd_config)

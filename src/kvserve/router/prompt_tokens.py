@@ -102,8 +102,9 @@ def prompt_blocks(
     """The reusable block hashes of a body's prompt tokens, in its model's namespace.
 
     A ``cache_salt`` (vLLM's field: tenants that must not share cached prefixes) joins
-    the namespace, as it joins a vLLM engine's block hashes. kvserve's engine ignores
-    the field, so over kvserve workers a salted prompt is predicted to miss."""
+    the namespace, as it does in a kvserve engine's block hashes (and as vLLM's engine
+    puts it in its first block's hash, which :mod:`kvserve.core.routing.foreign_blocks`
+    maps to the same namespace); an empty salt is no salt, as on both engines."""
     if not tokens:
         return None
     model, salt = body.get("model"), body.get("cache_salt")

@@ -6,6 +6,9 @@ the request offers (chat templates render them first, in the system turn, and th
 part of the prefill). The same conversation flattens to the same prefix, which is all
 the approximate index needs.
 
+A ``cache_salt`` keeps a prompt apart from the same prompt under another salt (or none),
+as the workers' caches keep it apart: the text starts with a digest of the salt.
+
 A completion with a list of prompts is one request to one worker: it is routed on its
 first prompt (the worker serves them all, so a cache hit of the first is a real hit, and
 the rest usually share its prefix: eval harnesses batch the same few-shot context), and
@@ -19,6 +22,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import orjson
+import xxhash
 
 from kvserve.core.routing.types import RouteQuery
 from kvserve.model_folder.chat_request import message_text
@@ -32,6 +36,16 @@ def _json_text(value: Any) -> str:
         return orjson.dumps(value, option=orjson.OPT_SORT_KEYS).decode() + "\n"
     except TypeError:
         return ""
+
+
+def salt_key(body: Mapping[str, Any]) -> str:
+    """What a salted prompt's text starts with: the salt's digest (fixed length, so
+    salts that share a prefix share no text), then a NUL no prompt text starts with;
+    "" for no salt or an empty one, so unsalted texts are as before."""
+    salt = body.get("cache_salt")
+    if not isinstance(salt, str) or not salt:
+        return ""
+    return xxhash.xxh3_64_hexdigest(salt.encode("utf-8")) + "\x00"
 
 
 def prompt_text(body: Mapping[str, Any]) -> str:
@@ -86,7 +100,7 @@ def build_route_query(
     session_key = headers.get(session_header) or (user if isinstance(user, str) else None)
     model = body.get("model")
     return RouteQuery(
-        text=text,
+        text=salt_key(body) + text,
         model=model if isinstance(model, str) else "",
         session_key=session_key or None,
         prefill_tokens=prefill_estimate(body, text, chars_per_token),

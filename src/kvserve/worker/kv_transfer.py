@@ -50,8 +50,10 @@ class KVTransferReceiver(Protocol):
         first_block: int,
         num_blocks: int,
         install: InstallRun,
+        cache_salt: str | None = None,
     ) -> int:
         """Have the prefill worker at ``prefill_url`` compute blocks ``[0, num_blocks)`` of
         the prompt and ``install`` ``[first_block, num_blocks)`` in order as they come;
-        returns the prompt tokens its cache served. Raises :class:`KVTransferError` on
-        any failure; cancelling the call cancels the transfer."""
+        returns the prompt tokens its cache served (its blocks keyed by ``cache_salt``, as
+        the decode request's are). Raises :class:`KVTransferError` on any failure;
+        cancelling the call cancels the transfer."""

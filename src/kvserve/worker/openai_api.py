@@ -221,6 +221,7 @@ def _sampling_params(
         "min_tokens": body.min_tokens,
         "logprobs": logprobs,
         "prompt_logprobs": prompt_logprobs,
+        "cache_salt": body.cache_salt or None,
     }
     if body.temperature is not None:
         fields["temperature"] = body.temperature

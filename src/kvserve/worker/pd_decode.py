@@ -83,7 +83,7 @@ class PDDecodeSession:
 
         def reserve(engine: LLMEngine) -> Reservation:
             token_ids = engine.prompt_token_ids(prompt)
-            return importer.reserve(request_id, token_ids, time.monotonic())
+            return importer.reserve(request_id, token_ids, time.monotonic(), params.cache_salt)
 
         def release(_: LLMEngine) -> None:
             importer.release(request_id)
@@ -93,7 +93,9 @@ class PDDecodeSession:
             return await bridge.generate(request_id, reservation.token_ids, params)
         block_size = self.engine.kv_cache.block_size
         try:
-            cached = await self._transfer(request_id, reservation, self._prefill_url)
+            cached = await self._transfer(
+                request_id, reservation, self._prefill_url, params.cache_salt
+            )
             cached = max(cached, reservation.num_cached_blocks * block_size)
             self.path = "remote"
         except KVTransferError as exc:
@@ -111,7 +113,13 @@ class PDDecodeSession:
             raise
         return _ReportedCache(stream, cached)
 
-    async def _transfer(self, request_id: str, reservation: Reservation, prefill_url: str) -> int:
+    async def _transfer(
+        self,
+        request_id: str,
+        reservation: Reservation,
+        prefill_url: str,
+        cache_salt: str | None,
+    ) -> int:
         """Fetch and install the blocks; APIError(499) if the client leaves meanwhile."""
         bridge, importer = self._bridge, self._importer
 
@@ -127,6 +135,7 @@ class PDDecodeSession:
             reservation.num_cached_blocks,
             reservation.num_blocks,
             install,
+            cache_salt,
         )
         fetching = asyncio.ensure_future(fetch)
         watcher = asyncio.ensure_future(_client_gone(self._receive))

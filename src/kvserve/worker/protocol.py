@@ -27,6 +27,7 @@ from kvserve.model_folder.chat_request import template_message, template_tools
 
 _MAX_INT32 = 2**31 - 1
 _MAX_STOP_STRINGS = 16
+_MAX_CACHE_SALT_CHARS = 1024  # a tenant id or a random token, not a document
 # Choices per request (n, best_of) and prompts per request: each is a sequence in the
 # engine, so the bound keeps one request from filling the batch on its own.
 MAX_CHOICES = 128
@@ -91,6 +92,8 @@ class SamplingRequest(BaseModel):
     stream_options: StreamOptions | None = None
     user: str | None = None
     response_format: ResponseFormatRequest | None = None
+    # vLLM's: requests with different salts share no cached KV blocks ("" or none: shared).
+    cache_salt: str | None = Field(default=None, max_length=_MAX_CACHE_SALT_CHARS)
     # Served only at their neutral values (see unhonoured).
     presence_penalty: float | None = None
     frequency_penalty: float | None = None

@@ -117,7 +117,9 @@ class TCPKVSender:
             )
 
             def start(engine: LLMEngine) -> None:
-                start_export(engine, export_id, token_ids, first, count, sink)
+                start_export(
+                    engine, export_id, token_ids, first, count, sink, header.get("cache_salt")
+                )
 
             await self._bridge.call(start)
             exporting = True
@@ -211,12 +213,13 @@ class TCPKVReceiver:
         first_block: int,
         num_blocks: int,
         install: InstallRun,
+        cache_salt: str | None = None,
     ) -> int:
         try:
             address = await self._address(prefill_url)
             with self._landing(first_block, num_blocks) as landing:
                 return await self._fetch_blocks(
-                    address, token_ids, first_block, num_blocks, install, landing
+                    address, token_ids, first_block, num_blocks, install, landing, cache_salt
                 )
         except _TRANSFER_ERRORS as exc:
             self._addresses.pop(prefill_url, None)  # it may have restarted on another port
@@ -243,6 +246,7 @@ class TCPKVReceiver:
         num_blocks: int,
         install: InstallRun,
         landing: Landing,
+        cache_salt: str | None,
     ) -> int:
         """Have the prefill worker at ``address`` compute blocks ``[0, num_blocks)`` of the
         prompt and install ``[first_block, num_blocks)`` as they come; returns the prompt
@@ -257,6 +261,7 @@ class TCPKVReceiver:
                 "token_ids": token_ids,
                 "first_block": first_block,
                 "num_blocks": num_blocks,
+                "cache_salt": cache_salt,
                 "layout": self._layout.to_json(),
                 **landing.request_fields(),
             }
