@@ -26,15 +26,17 @@ mooncake_store = mooncake_support.mooncake_store
 PREFIX = [(7 * i) % 900 + 5 for i in range(192)]  # 12 full blocks of 16
 
 
-def _params(max_tokens: int = 6) -> SamplingParams:
-    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+def _params(max_tokens: int = 6, cache_salt: str | None = None) -> SamplingParams:
+    return SamplingParams(
+        max_tokens=max_tokens, temperature=0.0, ignore_eos=True, cache_salt=cache_salt
+    )
 
 
-def generate(engine: LLMEngine, prompts: dict[str, list[int]], max_tokens: int = 6
-             ) -> dict[str, tuple[list[int], int]]:  # fmt: skip
+def generate(engine: LLMEngine, prompts: dict[str, list[int]], max_tokens: int = 6,
+             cache_salt: str | None = None) -> dict[str, tuple[list[int], int]]:  # fmt: skip
     """Greedy outputs and cached prompt tokens per request id, all run together."""
     for request_id, prompt in prompts.items():
-        engine.add_request(request_id, prompt, _params(max_tokens))
+        engine.add_request(request_id, prompt, _params(max_tokens, cache_salt))
     results: dict[str, tuple[list[int], int]] = {rid: ([], 0) for rid in prompts}
     while engine.has_unfinished_requests():
         for output in engine.step():
@@ -87,6 +89,19 @@ def test_host_tier_hit_after_device_eviction(
     assert host_events and host_events[0].kind == "stored"
 
 
+def test_the_host_tier_keeps_salted_blocks_apart(
+    tiny_model_dir: Path, engines: list[LLMEngine]
+) -> None:
+    engine = make(engines, tiny_model_dir, KVTierConfig(host_blocks=64))
+    prompt = [*PREFIX, 11, 12, 13]
+    assert generate(engine, {"a": prompt}, cache_salt="A")["a"][1] == 0
+    engine.kv_cache.clear()  # what follows can only come from the host tier
+    assert generate(engine, {"b": prompt}, cache_salt="B")["b"][1] == 0
+    assert generate(engine, {"u": prompt})["u"][1] == 0
+    engine.kv_cache.clear()
+    assert generate(engine, {"c": prompt}, cache_salt="A")["c"][1] == 192
+
+
 def test_host_tier_bounded_by_memory(tiny_model_dir: Path, engines: list[LLMEngine]) -> None:
     engine = make(engines, tiny_model_dir, KVTierConfig(host_memory=5 * 16384))  # 5 blocks
     generate(engine, {"a": [*PREFIX, 1]})
@@ -116,6 +131,19 @@ def test_a_second_engine_sharing_the_store_loads_the_prefix(
     writer.step()  # announces the writes that completed
     stored = [e for e in writer.events.since(0) if e.tier == "storage" and e.kind == "stored"]
     assert sum(len(e.block_hashes) for e in stored) == 12
+
+
+def test_a_shared_store_keeps_salted_blocks_apart(
+    tiny_model_dir: Path, engines: list[LLMEngine], tmp_path: Path
+) -> None:
+    config = KVTierConfig(storage=f"file:{tmp_path / 'kv'}")
+    writer = make(engines, tiny_model_dir, config)
+    generate(writer, {"a": [*PREFIX, 21, 22]}, cache_salt="A")
+    writer.close()  # flush its queued writes
+    reader = make(engines, tiny_model_dir, config)
+    assert generate(reader, {"b": [*PREFIX, 31, 32]}, cache_salt="B")["b"][1] == 0
+    assert generate(reader, {"c": [*PREFIX, 41, 42]}, cache_salt="A")["c"][1] == 192
+    assert tiers_of(reader).stats.storage_hit_tokens == 192
 
 
 def test_preempted_request_resumes_from_storage(
