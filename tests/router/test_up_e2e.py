@@ -49,9 +49,13 @@ def fleet(cache_dir: Path) -> Iterator[tuple[ServerProcess, httpx.Client]]:
     up.stop()
 
 
-def _chat(client: httpx.Client, system: str, question: str) -> httpx.Response:
+def _chat(
+    client: httpx.Client, system: str, question: str, salt: str | None = None
+) -> httpx.Response:
     messages = [{"role": "system", "content": system}, {"role": "user", "content": question}]
     body = {"model": "tiny-llama", "messages": messages, "max_tokens": 4}
+    if salt is not None:
+        body["cache_salt"] = salt
     response = client.post("/v1/chat/completions", json=body)
     assert response.status_code == 200, response.text
     return response
@@ -107,6 +111,21 @@ def test_cache_aware_sends_a_shared_prefix_to_the_worker_holding_it(fleet) -> No
         for i in range(4)
     }
     assert unrelated == {"w0", "w1"}
+
+
+def test_cache_aware_keeps_salted_prompts_with_their_salt(fleet) -> None:
+    """Salts A, A, B over one system prompt: the second A follows the first and is
+    served from its blocks; B matches nothing (not even the A worker's text)."""
+    _, client = fleet
+    system = "Salted system prompt: answer as a lighthouse keeper would. " * 3
+    first = _chat(client, system, "Which light is brightest?", "A")
+    again = _chat(client, system, "Which ship is slowest?", "A")
+    assert again.headers["x-kvserve-worker"] == first.headers["x-kvserve-worker"]
+    assert "reason=cache_hit" in again.headers["x-kvserve-decision"]
+    assert again.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+    other = _chat(client, system, "Which storm was longest?", "B")
+    assert "reason=cache_hit" not in other.headers["x-kvserve-decision"]
+    assert other.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
 
 
 def test_a_body_sent_without_a_json_content_type_still_works(fleet) -> None:
