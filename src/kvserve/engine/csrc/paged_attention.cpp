@@ -10,8 +10,9 @@
 // decode (one new token) is one item over all its heads, reading each slot whole. Decodes
 // whose block tables start with the same blocks (a shared prompt prefix) read those blocks
 // once for all of them, as GEMMs, before each goes on over its own blocks (cascade
-// attention: the prefix's softmax state is where each sequence's own pass starts). Softmax is online (running max and sum per row), in float32 whatever the storage
-// dtype. Threads come from ATen's intra-op pool (torch.set_num_threads), the same threads
+// attention: the prefix's softmax state is where each sequence's own pass starts).
+// Softmax is online (running max and sum per row), in float32 whatever the storage dtype.
+// Threads come from ATen's intra-op pool (torch.set_num_threads), the same threads
 // the linear layers use, so nothing spins beside them.
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
@@ -68,7 +69,7 @@ void gemm_ab_accumulate(int64_t rows, int64_t cols, int64_t inner, const float* 
   sgemm_("N", "N", &m, &n, &k, &alpha, b, &m, a, &k, &beta, out, &m);
 }
 
-// Few rows (decodes: one token, its group of query heads): GEMM calls and the tile copy
+// Few rows (a short run of new tokens, its groups of query heads): GEMM calls and the tile copy
 // cost more than they save, so scores and outputs are computed straight from the pool's
 // slots, one block at a time, each key and value read once for all rows.
 constexpr int64_t kMaxDirectRows = 8;
@@ -210,7 +211,8 @@ void attend_shared_prefix(const std::vector<int64_t>& members, int64_t blocks,
   buf.scores.resize(rows * chunk_blocks * block_size);
   for (int64_t r = 0; r < rows; ++r) {
     const int64_t head = kv_head * group + r % group;
-    const scalar_t* src = q + seq[members[r / group] * 3 + 2] * q_token_stride + head * q_head_stride;
+    const int64_t token = seq[members[r / group] * 3 + 2];
+    const scalar_t* src = q + token * q_token_stride + head * q_head_stride;
     float* dst = buf.query.data() + r * head_dim;
     for (int64_t d = 0; d < head_dim; ++d) dst[d] = to_float(src[d]) * scale;
   }
@@ -325,7 +327,8 @@ void attend_decode(const scalar_t* q, int64_t q_head_stride, const scalar_t* poo
   for (int64_t h = 0; h < heads; ++h) {
     const float inverse = 1.0f / buf.row_sum[h];
     const float* a = buf.acc.data() + h * head_dim;
-    for (int64_t d = 0; d < head_dim; ++d) out[h * head_dim + d] = static_cast<scalar_t>(a[d] * inverse);
+    scalar_t* dst = out + h * head_dim;
+    for (int64_t d = 0; d < head_dim; ++d) dst[d] = static_cast<scalar_t>(a[d] * inverse);
   }
 }
 
@@ -442,7 +445,8 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& pool, const at
     TORCH_CHECK(seq[n * 3 + 1] > 0 && seq[n * 3] >= 0, "bad sequence row");
     TORCH_CHECK((seq[n * 3] + seq[n * 3 + 1] - 1) / block_size < width, "block table too short");
     for (int64_t t = 0; t < seq[n * 3 + 1]; t += kQueryTile) {
-      for (int64_t h = seq[n * 3 + 1] == 1 ? -1 : 0; h < (seq[n * 3 + 1] == 1 ? 0 : kv_heads); ++h) {
+      const bool decode = seq[n * 3 + 1] == 1;
+      for (int64_t h = decode ? -1 : 0; h < (decode ? 0 : kv_heads); ++h) {
         item_sequence.push_back(n);
         item_tile.push_back(t);
         item_kv_head.push_back(h);
@@ -450,11 +454,13 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& pool, const at
     }
   }
   const std::vector<SharedPrefix> prefixes =
-      window > 0 ? std::vector<SharedPrefix>() : shared_prefixes(seq, num_sequences, tables, block_size);
+      window > 0 ? std::vector<SharedPrefix>()
+                 : shared_prefixes(seq, num_sequences, tables, block_size);
   std::vector<int64_t> prefix_blocks(num_sequences, 0);
   for (const SharedPrefix& prefix : prefixes)
     for (int64_t n : prefix.members) prefix_blocks[n] = prefix.blocks;
-  std::vector<float> states(prefixes.empty() ? 0 : num_sequences * heads * (head_dim + kStateExtra));
+  const int64_t sequence_state = heads * (head_dim + kStateExtra);
+  std::vector<float> states(prefixes.empty() ? 0 : num_sequences * sequence_state);
   const int64_t num_items = static_cast<int64_t>(item_sequence.size());
   const int64_t num_prefix_items = static_cast<int64_t>(prefixes.size()) * kv_heads;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_attention", [&] {
@@ -483,7 +489,7 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& pool, const at
         const int64_t count = std::min(kQueryTile, num_new - tile);
         if (kv_head < 0) {
           const float* prefix_state =
-              prefix_blocks[n] > 0 ? states.data() + n * heads * (head_dim + kStateExtra) : nullptr;
+              prefix_blocks[n] > 0 ? states.data() + n * sequence_state : nullptr;
           const auto decode = head_dim == 64    ? attend_decode<scalar_t, 64>
                               : head_dim == 128 ? attend_decode<scalar_t, 128>
                                                 : attend_decode<scalar_t, 0>;
