@@ -73,3 +73,46 @@ def test_kernel_matches_naive_attention(dtype, window, heads, kv_heads, block_si
     # bf16: inputs and output are rounded to 8 bits of mantissa (relative step 2^-8).
     tolerance = 1e-5 if dtype == torch.float32 else 1.6e-2
     torch.testing.assert_close(ours.double(), expected, atol=tolerance, rtol=tolerance)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("window", [0, 7])
+@pytest.mark.parametrize(("heads", "kv_heads", "block_size"), [(8, 2, 4), (6, 3, 16)])
+def test_kernel_shared_prefixes(dtype, window, heads, kv_heads, block_size):
+    """Decodes whose tables begin with the same blocks (read once for all of them, then each
+    goes on over its own blocks): prefixes shared by some, partly by others, a decode on the
+    last shared block, a prefill over the same blocks, and lone decodes."""
+    assert paged_kernel.load(), "the paged kernel did not build (see test_kernel_builds)"
+    rng = random.Random(heads * block_size + window + 1)
+    head_dim, num_blocks = 32, 96
+    pool = torch.randn(num_blocks, block_size, 2 * kv_heads, head_dim).to(dtype)
+    free = rng.sample(range(num_blocks), num_blocks)
+    prefix = [free.pop() for _ in range(4)]
+    other = [free.pop() for _ in range(2)]
+    # (start_pos, num_new, leading shared blocks, whose)
+    shapes = [
+        (4 * block_size + 3, 1, 4, prefix),
+        (5 * block_size, 1, 4, prefix),
+        (4 * block_size - 1, 1, 4, prefix),  # its token is the last slot of a shared block
+        (2 * block_size + 1, 1, 2, prefix),  # shares only the first two blocks
+        (3 * block_size, 1, 3, prefix),
+        (4 * block_size, 6, 4, prefix),  # a prefill chunk after the cached prefix
+        (2 * block_size + 2, 1, 2, other),
+        (3 * block_size + 1, 1, 2, other),
+        (block_size + 5, 1, 0, []),
+    ]
+    width = max(-(-(s + n) // block_size) for s, n, _, _ in shapes)
+    tables, rows, first = [], [], 0
+    for start, num_new, shared, whose in shapes:
+        used = -(-(start + num_new) // block_size)
+        table = whose[:shared] + [free.pop() for _ in range(used - shared)]
+        tables.append(table + [0] * (width - used))
+        rows.append((start, num_new, first))
+        first += num_new
+    tables_t, sequences = torch.tensor(tables), torch.tensor(rows)
+    qkv = torch.randn(first, heads + 2 * kv_heads, head_dim).to(dtype)
+    q, scale = qkv[:, :heads], head_dim**-0.5
+    ours = torch.ops.kvserve_kernels.paged_attention(q, pool, tables_t, sequences, window, scale)
+    expected = reference(q, pool, tables_t, sequences, window, scale)
+    tolerance = 1e-5 if dtype == torch.float32 else 1.6e-2
+    torch.testing.assert_close(ours.double(), expected, atol=tolerance, rtol=tolerance)
