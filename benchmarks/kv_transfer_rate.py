@@ -29,13 +29,15 @@ import multiprocessing as mp
 import socket
 import statistics
 import time
+from collections.abc import Callable
 from multiprocessing.connection import Connection
 from typing import Any
 
 import torch
 
-from kvserve.worker.pd_wire import frame_prefix, read_frame
-from kvserve.worker.tcp_kv_transfer import READ_LIMIT_BYTES
+from kvserve.engine.kv_block_io import KVBlockLayout
+from kvserve.engine.pd_export import ExportSink
+from kvserve.worker.tcp_kv_transfer import PayloadLanding, TCPKVReceiver, TCPKVSender
 
 MB = 1 << 20
 
@@ -55,47 +57,65 @@ def memcpy_rate(total: int, run: int) -> float:
 
 # --- kvserve TCP -------------------------------------------------------------------------
 
+# A KV layout whose blocks are 256 KiB (float16); a run of R MiB is 4 R blocks.
+LAYOUT = KVBlockLayout("bench", num_layers=8, block_size=16, num_kv_heads=4, head_dim=128,
+                       dtype="float16")  # fmt: skip
 
-def _tcp_receiver(pipe: Connection, count: int) -> None:
+
+class ReadyExports:
+    """Exports whose blocks are all computed already: the sender's sink gets every run at
+    once, so the transfer alone is timed."""
+
+    def __init__(self, runs: list[torch.Tensor]) -> None:
+        self._runs = runs
+
+    async def start(
+        self, export_id: str, token_ids: list[int], first_block: int, num_blocks: int,
+        sink: ExportSink,
+    ) -> None:  # fmt: skip
+        first = 0
+        for run in self._runs:
+            sink.blocks(first, run)
+            first += len(run)
+        sink.done(0)
+
+    def abort(self, export_id: str) -> None:
+        pass
+
+
+def _tcp_sender(pipe: Connection, total: int, run: int) -> None:
+    torch.set_num_threads(1)
+    per_run = run // LAYOUT.block_nbytes
+    blocks = _runs(total, total)[0].view(LAYOUT.torch_dtype).reshape(-1, *LAYOUT.block_shape)
+    runs = [blocks[i : i + per_run] for i in range(0, len(blocks), per_run)]
+
     async def serve() -> None:
-        done = asyncio.Event()
+        sender = TCPKVSender(ReadyExports(runs), LAYOUT, "127.0.0.1")
+        await sender.start()
+        pipe.send(sender.port)
+        await asyncio.get_running_loop().run_in_executor(None, pipe.recv)  # until told
+        await sender.close()
 
-        async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-            for _ in range(count):
-                _, payload = await read_frame(reader)
-                torch.frombuffer(bytearray(payload), dtype=torch.uint8)  # from_bytes' copy
-            writer.write(b"k")
-            await writer.drain()
-            writer.close()
-            done.set()
-
-        server = await asyncio.start_server(handle, "127.0.0.1", 0, limit=READ_LIMIT_BYTES)
-        pipe.send(server.sockets[0].getsockname()[1])
-        await done.wait()
-        server.close()
-
-    while pipe.recv():  # one transfer per round
-        asyncio.run(serve())
+    asyncio.run(serve())
 
 
-def tcp_rate(pipe: Connection, total: int, run: int) -> float:
-    runs = _runs(total, run)
+def tcp_rate(port: int, total: int) -> float:
+    """The decode side's real path: ``TCPKVReceiver.fetch_from`` reading each run into
+    a fresh tensor, handed to an install that keeps nothing."""
+    num_blocks = total // LAYOUT.block_nbytes
+    receiver = TCPKVReceiver(LAYOUT, frame_timeout_s=60.0)
 
-    async def send(port: int) -> float:
-        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    async def install(first_block: int, blocks: torch.Tensor) -> None:
+        pass
+
+    async def fetch() -> float:
         started = time.perf_counter()
-        for chunk in runs:
-            view = memoryview(chunk.numpy())
-            writer.write(frame_prefix({"type": "blocks"}, len(view)))
-            writer.write(view)
-            await writer.drain()
-        await reader.readexactly(1)
-        elapsed = time.perf_counter() - started
-        writer.close()
-        return elapsed
+        tokens = [1] * (num_blocks * LAYOUT.block_size + 1)
+        landing = PayloadLanding(LAYOUT, receiver.buffers)
+        await receiver.fetch_from(("127.0.0.1", port), tokens, 0, num_blocks, install, landing)
+        return time.perf_counter() - started
 
-    pipe.send(True)
-    return total / asyncio.run(send(pipe.recv())) / 1e9
+    return total / asyncio.run(fetch()) / 1e9
 
 
 # --- raw socket --------------------------------------------------------------------------
@@ -166,42 +186,52 @@ def main() -> None:
     parser.add_argument("--megabytes", type=int, default=256)
     parser.add_argument("--run-megabytes", type=int, default=4)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--no-mooncake", action="store_true", help="leave Mooncake TCP out")
     args = parser.parse_args()
     total, run = args.megabytes * MB, args.run_megabytes * MB
     torch.set_num_threads(1)
     context = mp.get_context("spawn")
-    tcp_pipe, tcp_child = context.Pipe()
-    mc_pipe, mc_child = context.Pipe()
-    tcp_peer = context.Process(target=_tcp_receiver, args=(tcp_child, total // run), daemon=True)
-    mc_peer = context.Process(target=_mooncake_receiver, args=(mc_child, total, run), daemon=True)
-    raw_pipe, raw_child = context.Pipe()
-    raw_peer = context.Process(target=_socket_receiver, args=(raw_child, total), daemon=True)
-    for peer in (tcp_peer, mc_peer, raw_peer):
-        peer.start()
-    raw_port = raw_pipe.recv()
-    from mooncake.engine import TransferEngine
+    peers: list[tuple[Connection, mp.process.BaseProcess]] = []
 
-    engine = TransferEngine()
-    assert engine.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == 0
-    peer = mc_pipe.recv()
-    names = ("memcpy", "raw socket", "kvserve TCP", "Mooncake TCP")
-    rates: dict[str, list[float]] = {name: [] for name in names}
+    def peer(target: Any, *extra: Any) -> Connection:
+        pipe, child = context.Pipe()
+        process = context.Process(target=target, args=(child, *extra), daemon=True)
+        process.start()
+        peers.append((pipe, process))
+        return pipe
+
+    raw_pipe = peer(_socket_receiver, total)
+    tcp_pipe = peer(_tcp_sender, total, run)
+    raw_port, tcp_port = raw_pipe.recv(), tcp_pipe.recv()
+    paths: dict[str, Callable[[], float]] = {
+        "memcpy": lambda: memcpy_rate(total, run),
+        "raw socket": lambda: socket_rate(raw_pipe, raw_port, total, run),
+        "kvserve TCP": lambda: tcp_rate(tcp_port, total),
+    }
+    if not args.no_mooncake:
+        from mooncake.engine import TransferEngine
+
+        mc_pipe = peer(_mooncake_receiver, total, run)
+        engine = TransferEngine()
+        assert engine.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == 0
+        mc_peer = mc_pipe.recv()
+        paths["Mooncake TCP"] = lambda: mooncake_rate(mc_pipe, engine, mc_peer, total, run)
+    rates: dict[str, list[float]] = {name: [] for name in paths}
     try:
-        for _ in range(args.rounds):
-            rates["memcpy"].append(memcpy_rate(total, run))
-            rates["raw socket"].append(socket_rate(raw_pipe, raw_port, total, run))
-            rates["kvserve TCP"].append(tcp_rate(tcp_pipe, total, run))
-            rates["Mooncake TCP"].append(mooncake_rate(mc_pipe, engine, peer, total, run))
+        for _ in range(args.rounds):  # alternating, so a burst of load hits every path
+            for name, measure in paths.items():
+                rates[name].append(measure())
     finally:
-        for pipe, peer in ((tcp_pipe, tcp_peer), (mc_pipe, mc_peer), (raw_pipe, raw_peer)):
+        for pipe, process in peers:
             pipe.send(False)
-            peer.join(5)
+            process.join(5)
     memcpy = statistics.median(rates["memcpy"])
     print(f"{args.megabytes} MiB in runs of {args.run_megabytes} MiB, median of {args.rounds}")
-    print(f"{'path':<14}{'GB/s':>8}{'x memcpy':>10}")
+    print(f"{'path':<14}{'GB/s':>8}{'x memcpy':>10}   rounds (GB/s)")
     for name, samples in rates.items():
         rate = statistics.median(samples)
-        print(f"{name:<14}{rate:>8.2f}{rate / memcpy:>10.3f}")
+        each = " ".join(f"{sample:.2f}" for sample in samples)
+        print(f"{name:<14}{rate:>8.2f}{rate / memcpy:>10.3f}   {each}")
 
 
 if __name__ == "__main__":
