@@ -4,10 +4,12 @@ The same bytes (``--megabytes`` of KV, sent as runs of ``--run-megabytes``, as a
 worker sends the runs its steps complete) cross from one process to another three ways,
 side by side in one run:
 
-- **kvserve TCP**: the built-in transfer's path: ``pd_wire`` frames written with their
-  payload on an asyncio stream, read with ``read_frame`` (stream buffer
-  ``READ_LIMIT_BYTES``) and turned into owned blocks (``kv_block_io.from_bytes``'s copy)
-  on the receiving side, as ``TCPKVReceiver`` does;
+- **kvserve TCP**: the built-in transfer itself: a ``TCPKVSender`` in one process serving
+  exports whose runs are all ready (``ReadyExports``: the transfer alone is timed, not the
+  engine), fetched by ``TCPKVReceiver.fetch_from`` in the other (each run read straight
+  into memory from its ``RunBuffers``, handed to an install that keeps nothing), timed
+  from the request to the ``done`` frame (``--fresh-memory`` adds the same into fresh
+  memory for every run: what ``RunBuffers`` saves);
 - **Mooncake TCP**: the Mooncake Transfer Engine (P2P handshake, ``tcp`` protocol)
   writing each run into the receiver's registered buffer (``transfer_sync_write``), as
   ``MooncakeKVSender`` does, the receiver copying each run out as ``MooncakeKVReceiver``
@@ -15,10 +17,12 @@ side by side in one run:
 - **raw socket**: the same bytes through a blocking loopback socket, ``sendall`` on one
   side and ``recv_into`` a preallocated tensor on the other: what any TCP path here can
   reach at best (the kernel copies each byte in and out);
-- **memcpy**: one process copying the same runs between two tensors (the ceiling).
+- **memcpy**: one process copying the same runs from one tensor into another of the same
+  size (pages touched beforehand): the reference, one copy of each byte.
 
 Run: ``python benchmarks/kv_transfer_rate.py [--megabytes 256] [--run-megabytes 4]
-[--rounds 3]``. Prints GB/s (median of the rounds) and each ratio to memcpy.
+[--rounds 3] [--no-mooncake] [--fresh-memory]``. The paths alternate round by round;
+prints GB/s (median of the rounds, and every round) and each median's ratio to memcpy's.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import multiprocessing as mp
+import os
 import socket
 import statistics
 import time
@@ -37,6 +42,7 @@ import torch
 
 from kvserve.engine.kv_block_io import KVBlockLayout
 from kvserve.engine.pd_export import ExportSink
+from kvserve.worker.run_buffers import RunBuffers
 from kvserve.worker.tcp_kv_transfer import PayloadLanding, TCPKVReceiver, TCPKVSender
 
 MB = 1 << 20
@@ -99,11 +105,14 @@ def _tcp_sender(pipe: Connection, total: int, run: int) -> None:
     asyncio.run(serve())
 
 
-def tcp_rate(port: int, total: int) -> float:
+def tcp_rate(port: int, total: int, reuse: bool = True) -> float:
     """The decode side's real path: ``TCPKVReceiver.fetch_from`` reading each run into
-    a fresh tensor, handed to an install that keeps nothing."""
+    memory from its ``RunBuffers`` (``reuse=False``: fresh memory every run), handed to
+    an install that keeps nothing."""
     num_blocks = total // LAYOUT.block_nbytes
     receiver = TCPKVReceiver(LAYOUT, frame_timeout_s=60.0)
+    if not reuse:
+        receiver.buffers = RunBuffers(keep_bytes=0)
 
     async def install(first_block: int, blocks: torch.Tensor) -> None:
         pass
@@ -187,6 +196,9 @@ def main() -> None:
     parser.add_argument("--run-megabytes", type=int, default=4)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--no-mooncake", action="store_true", help="leave Mooncake TCP out")
+    parser.add_argument(
+        "--fresh-memory", action="store_true", help="add kvserve TCP receiving into fresh memory"
+    )
     args = parser.parse_args()
     total, run = args.megabytes * MB, args.run_megabytes * MB
     torch.set_num_threads(1)
@@ -208,6 +220,8 @@ def main() -> None:
         "raw socket": lambda: socket_rate(raw_pipe, raw_port, total, run),
         "kvserve TCP": lambda: tcp_rate(tcp_port, total),
     }
+    if args.fresh_memory:
+        paths["kvserve, fresh"] = lambda: tcp_rate(tcp_port, total, reuse=False)
     if not args.no_mooncake:
         from mooncake.engine import TransferEngine
 
@@ -217,6 +231,7 @@ def main() -> None:
         mc_peer = mc_pipe.recv()
         paths["Mooncake TCP"] = lambda: mooncake_rate(mc_pipe, engine, mc_peer, total, run)
     rates: dict[str, list[float]] = {name: [] for name in paths}
+    load_before = os.getloadavg()[0]
     try:
         for _ in range(args.rounds):  # alternating, so a burst of load hits every path
             for name, measure in paths.items():
@@ -226,7 +241,9 @@ def main() -> None:
             pipe.send(False)
             process.join(5)
     memcpy = statistics.median(rates["memcpy"])
-    print(f"{args.megabytes} MiB in runs of {args.run_megabytes} MiB, median of {args.rounds}")
+    print(f"{args.megabytes} MiB in runs of {args.run_megabytes} MiB, median of {args.rounds}; "
+          f"load average {load_before:.1f} before, {os.getloadavg()[0]:.1f} after on "
+          f"{os.cpu_count()} CPUs")  # fmt: skip
     print(f"{'path':<14}{'GB/s':>8}{'x memcpy':>10}   rounds (GB/s)")
     for name, samples in rates.items():
         rate = statistics.median(samples)

@@ -195,8 +195,9 @@ def _wait_for_prefill_running(fleet: Fleet) -> None:
     deadline = time.monotonic() + 20
     while load(fleet.prefill)["running"] == 0:
         assert time.monotonic() < deadline, "the prefill worker never started the export:\n" + (
-            "\n".join(w.log_tail() for w in [*fleet.workers, fleet.router] if w.alive())
-        )
+            "\n".join(f"{w.url} {load(w)}" for w in fleet.workers if w.alive()) + "\n"
+            + "\n".join(w.log_tail() for w in [*fleet.workers, fleet.router] if w.alive())
+        )  # fmt: skip
         time.sleep(0.01)
 
 

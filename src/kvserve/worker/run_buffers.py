@@ -1,11 +1,11 @@
 """Memory that received KV runs land in, reused from one run (and transfer) to the next.
 
 A run read into freshly allocated memory pays a page fault for every 4 KiB the kernel
-first writes: on a virtual machine whose host maps guest pages lazily that costs more
-than the copy itself (``benchmarks/kv_transfer_rate.py`` received 256 MiB at 0.64 GB/s
-into fresh tensors, 1.07 GB/s into reused ones, side by side). So the decode side takes
-run memory from :class:`RunBuffers` and gives it back once the run is installed (the
-install copied it into the KV pool); memory nobody gave back (a failed install, a
+first writes, which on a virtual machine can cost about as much as the copy itself
+(``benchmarks/kv_transfer_rate.py --fresh-memory``: 0.56 GB/s into reused memory, 0.47
+into fresh, medians of 7 alternating rounds on a loaded 2-core box). So the decode side
+takes run memory from :class:`RunBuffers` and gives it back once the run is installed
+(the install copied it into the KV pool); memory nobody gave back (a failed install, a
 cancelled transfer) is simply left to the garbage collector.
 """
 
