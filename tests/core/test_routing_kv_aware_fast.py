@@ -21,6 +21,7 @@ CONFIG = KvAwareConfig(
     storage_load_token_s=2e-4,  # slower than computing: a storage hit can lose to a miss
     decode_request_s=1e-3,
     speculative_ttl_s=1.0,
+    recompute_weight=3.0,  # a worker outside the candidates still cannot score lower
 )
 PROMPT = list(range(1, 13))  # a 12-block chain; workers hold prefixes of it, or of others
 

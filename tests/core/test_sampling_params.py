@@ -22,6 +22,12 @@ from kvserve.core.sampling_params import InvalidParameterError, SamplingParams
         ({"min_tokens": 5, "max_tokens": 4}, "min_tokens"),
         ({"stop": ["ok", ""]}, "stop"),
         ({"stop_token_ids": [-1]}, "stop_token_ids"),
+        ({"logprobs": -1}, "logprobs"),
+        ({"logprobs": 21}, "logprobs"),
+        ({"logprobs": 1.0}, "logprobs"),
+        ({"prompt_logprobs": 21}, "prompt_logprobs"),
+        ({"max_tokens": 0, "logprobs": 1}, "max_tokens"),
+        ({"max_tokens": -1, "prompt_logprobs": 1}, "max_tokens"),
     ],
 )
 def test_invalid_values_name_their_parameter(kwargs, param):
@@ -30,6 +36,12 @@ def test_invalid_values_name_their_parameter(kwargs, param):
     assert excinfo.value.param == param
     assert param in str(excinfo.value)
     assert isinstance(excinfo.value, ValueError)
+
+
+def test_max_tokens_zero_only_scores_the_prompt():
+    """0 generated tokens is a request only for its prompt logprobs (echo)."""
+    params = SamplingParams(max_tokens=0, prompt_logprobs=0)
+    assert params.max_tokens == 0
 
 
 def test_mutation_is_caught_by_validate():

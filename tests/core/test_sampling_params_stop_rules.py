@@ -70,8 +70,10 @@ def test_holdback_covers_a_pending_stop_prefix():
     assert stop_holdback([]) == 0
 
 
-def test_request_rejects_empty_prompt_and_zero_budget():
+def test_request_rejects_empty_prompt_and_negative_budget():
     with pytest.raises(ValueError, match="empty"):
         Request("r", [], SamplingParams(), max_tokens=1, namespace=b"", block_size=4)
     with pytest.raises(ValueError, match="max_tokens"):
-        Request("r", [1], SamplingParams(), max_tokens=0, namespace=b"", block_size=4)
+        Request("r", [1], SamplingParams(), max_tokens=-1, namespace=b"", block_size=4)
+    # 0: the prompt is only scored (echo with prompt logprobs)
+    assert Request("r", [1], SamplingParams(), max_tokens=0, namespace=b"", block_size=4)

@@ -319,3 +319,38 @@ def test_random_workloads_under_memory_pressure(
 def test_config_rejects_unusable_limits(kwargs):
     with pytest.raises(ValueError):
         SchedulerConfig(**kwargs)
+
+
+def test_a_shared_prefix_in_flight_is_computed_once_not_per_request():
+    """Two requests behind one 16-token prefix arrive together: the second waits for the
+    first to commit that prefix, then computes only its own tail."""
+    driver = Driver(num_blocks=64, max_num_batched_tokens=64)
+    prefix = list(range(100, 116))
+    first = driver.add("a", [*prefix, 1, 2, 3], max_tokens=2)
+    second = driver.add("b", [*prefix, 4, 5, 6], max_tokens=2)
+    third = driver.add("c", [7, 8, 9], max_tokens=2)  # shares nothing: not held back
+    output = driver.step()
+    assert [(c.request.request_id, c.start) for c in output.chunks] == [("a", 0), ("c", 0)]
+    output = driver.step()
+    assert ("b", 16) in [(c.request.request_id, c.start) for c in output.chunks]
+    driver.run()
+    assert second.num_cached_tokens == 16
+    # Prompts 19 + 3 (b past the shared prefix) + 3, then one decode step each.
+    assert driver.scheduler.stats.computed_tokens == 19 + 3 + 3 + 3 * 1
+    for request in (first, second, third):
+        assert request.output_token_ids == expected_output(request.token_ids[:-2], 2)
+    driver.assert_nothing_leaked()
+
+
+def test_a_deferred_request_is_admitted_when_the_one_computing_its_prefix_is_aborted():
+    driver = Driver(num_blocks=64, max_num_batched_tokens=8)
+    prefix = list(range(100, 124))
+    driver.add("a", [*prefix, 1], max_tokens=2)
+    second = driver.add("b", [*prefix, 2], max_tokens=2)
+    driver.step()  # a computes its first 8 tokens; b waits behind a's next blocks
+    assert second in driver.scheduler.waiting
+    driver.scheduler.abort("a")
+    output = driver.step()
+    assert [(c.request.request_id, c.start) for c in output.chunks] == [("b", 8)]
+    driver.run()
+    driver.assert_nothing_leaked()

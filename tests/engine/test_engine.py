@@ -110,6 +110,7 @@ def test_load_reports_the_queue_and_the_pool(engine):
         "waiting": 0,
         "free_blocks": 128,
         "cached_blocks": 0,
+        "evictable_blocks": 0,
         "total_blocks": 128,
         "prefill_tokens": 0,
         "preemptions": 0,
@@ -120,7 +121,10 @@ def test_load_reports_the_queue_and_the_pool(engine):
     load = engine.load()
     assert (load["running"], load["waiting"], load["prefill_tokens"]) == (1, 0, 0)
     assert load["free_blocks"] == 128 - 5 and load["cached_blocks"] == 5
+    assert load["evictable_blocks"] == 0  # pinned by the running request: no headroom
     assert engine.events.last_seq > 0  # committing the blocks emitted events
+    drain(engine)
+    assert engine.load()["evictable_blocks"] == engine.load()["cached_blocks"] == 5
 
 
 @pytest.mark.parametrize(

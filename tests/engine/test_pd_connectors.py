@@ -217,3 +217,43 @@ def test_pd_needs_a_model_runner_with_a_kv_pool(tiny_model_dir: Path) -> None:
     runner = CostModelRunner(tiny_model_dir, profile("llama3-8b-h100"))
     with pytest.raises(ValueError, match="KV pool"):
         LLMEngine(tiny_model_dir, runner=runner, connectors=[PDExporter], **OPTIONS)
+
+
+LONG_RUNNING = [(11 * i + 5) % 900 + 20 for i in range(20)]  # 5 blocks, growing to 30
+BIG_PROMPT = [(13 * i + 1) % 900 + 20 for i in range(121)]  # 30 full blocks
+
+
+def start_long_decode(decode: LLMEngine) -> None:
+    params = SamplingParams(max_tokens=100, ignore_eos=True, temperature=0.0)
+    decode.add_request("long", LONG_RUNNING, params)
+    decode.step()
+    assert decode.load()["running"] == 1
+
+
+def test_blocks_held_outside_the_scheduler_preempt_a_running_decode(
+    tiny_model_dir: Path,
+) -> None:
+    """The hazard: what a lease holds cannot be preempted, so a running sequence that
+    needs to grow is preempted instead (blocks taken as a lease once took them)."""
+    decode = decode_engine(tiny_model_dir)
+    start_long_decode(decode)
+    assert decode.kv_cache.allocate_slots("lease:big", 30 * BLOCK_SIZE)
+    for _ in range(100):
+        decode.step()
+    assert decode.scheduler.stats.preemptions > 0
+    decode.kv_cache.free_request("lease:big")
+
+
+def test_a_lease_leaves_running_decodes_room_to_grow(tiny_model_dir: Path) -> None:
+    decode = decode_engine(tiny_model_dir)
+    importer = decode.connector(PDImporter)
+    start_long_decode(decode)
+    assert importer.growth_blocks() == 30 - decode.kv_cache.num_request_blocks("long")
+    big = importer.reserve("big", BIG_PROMPT, now=0.0)
+    assert not big.remote and len(importer.leases) == 0  # prefilled here instead
+    small = importer.reserve("small", PROMPT, now=0.0)  # 11 blocks: the room stays
+    assert small.remote and len(importer.leases) == 1
+    importer.release("small")
+    assert run(decode)["long"] and decode.scheduler.stats.preemptions == 0
+    assert importer.growth_blocks() == 0
+    assert importer.reserve("big-later", BIG_PROMPT, now=1.0).remote  # nothing runs now

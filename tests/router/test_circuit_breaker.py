@@ -34,3 +34,15 @@ def test_half_open_closes_after_successes_and_reopens_on_failure() -> None:
     assert breaker.state is BreakerState.HALF_OPEN
     breaker.record_success()
     assert breaker.state is BreakerState.CLOSED
+
+
+def test_readmit_lets_trial_traffic_through_before_open_s_ends() -> None:
+    breaker = CircuitBreaker(CONFIG)
+    for _ in range(3):
+        breaker.record_failure(now=0.0)
+    assert not breaker.allows(now=1.0)
+    breaker.readmit()  # the worker came back (restarted, or healthy again)
+    assert breaker.allows(now=1.0)
+    assert breaker.state is BreakerState.HALF_OPEN
+    breaker.record_failure(now=1.0)  # a trial failure shuts it again
+    assert not breaker.allows(now=2.0)

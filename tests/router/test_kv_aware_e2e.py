@@ -20,6 +20,7 @@ from kvserve.router.kv_event_subscriber import KVEventSubscriber
 from kvserve.router.local_fleet import KVSERVE_COMMAND, ServerProcess, free_port
 from kvserve.router.prompt_tokens import PromptHasher
 from kvserve.router.worker_registry import WorkerRegistry
+from tests.support.metrics_text import wait_until_indexed
 from tests.support.processes import start_router
 
 BLOCK = 16
@@ -90,7 +91,8 @@ def test_second_turn_goes_to_the_holder_once_events_arrive(fleet, model_dir: Pat
         timeout=30,
     )
     holder = first.headers["x-kvserve-worker"]
-    time.sleep(2.5)  # past the speculative TTL: only the worker's events can tell now
+    wait_until_indexed(router.url, holder)  # the holder's own events reached the router
+    time.sleep(2.5)  # a timer, not a sync: the speculative TTL (2 s) has lapsed after it
     second = httpx.post(
         f"{router.url}/v1/chat/completions",
         json=chat(model, "Second question, on stones."),

@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from kvserve.router.local_fleet import KVSERVE_COMMAND, ServerProcess, free_port
-from tests.support.metrics_text import by_label, samples
+from tests.support.metrics_text import by_label, samples, wait_until_indexed
 from tests.support.processes import start_router
 
 PREFILL_GAUGE = "kvserve_router_in_flight_prefill_tokens"
@@ -68,7 +68,8 @@ def test_guard_holds_the_predicted_uncached_tokens_until_the_first_token(
 ) -> None:
     model = httpx.get(router.url + "/v1/models", timeout=10).json()["data"][0]["id"]
     complete(router, model, SHARED)
-    time.sleep(2.5)  # past the speculative TTL: the match comes from the worker's events
+    wait_until_indexed(router.url)  # the worker's own events reached the router
+    time.sleep(2.5)  # a timer, not a sync: the speculative TTL (2 s) has lapsed after it
     prompt = SHARED + " ".join(f"novel{i}" for i in range(120))
     with ThreadPoolExecutor(1) as pool:
         pending = pool.submit(complete, router, model, prompt)
@@ -96,7 +97,9 @@ def test_a_client_leaving_during_tokenization_leaves_nothing_held(router: Server
     long_body = {"model": model, "prompt": "Shared context about tides. " * 40_000, "max_tokens": 1}
     with pytest.raises(httpx.TimeoutException):  # gone while the router tokenizes (~1 s)
         httpx.post(router.url + "/v1/completions", json=long_body, timeout=0.2)
-    time.sleep(2)  # past when its tokenizing would have ended, had the handler gone on
+    # Nothing observable marks an abandoned handler's end: wait past when its tokenizing
+    # (~1 s) would have ended, had it gone on, and check that it never routed.
+    time.sleep(2)
     complete(router, model, "after")
     assert total(router, DECISIONS, "reason") == decisions + 1  # the abandoned one: never routed
     assert total(router, REQUESTS_GAUGE) == 0
@@ -133,3 +136,34 @@ def test_a_chat_stream_holds_its_prefill_load_until_the_prompt_is_computed(
     assert worker_load["prefill_tokens"] == 0, worker_load
     assert '"role":"assistant"' in lines[0] and lines[-1] == "data: [DONE]"
     assert any('"content":"' in line and '"content":""' not in line for line in lines[1:])
+
+
+def test_a_non_streamed_request_releases_its_prefill_load_at_the_first_token(
+    router: ServerProcess,
+) -> None:
+    """The worker sends a non-streamed answer's headers with its first token: the router
+    lets go of the prefill load then, not when the whole answer (a long decode) is in."""
+    model = httpx.get(router.url + "/v1/models", timeout=10).json()["data"][0]["id"]
+    (worker,) = httpx.get(router.url + "/workers", timeout=10).json()["workers"]
+    prompt = " ".join(f"unseen{i} words about rivers" for i in range(60))
+    body = {"model": model, "prompt": prompt, "max_tokens": 400, "ignore_eos": True}
+
+    def send() -> httpx.Response:
+        return httpx.post(router.url + "/v1/completions", json=body, timeout=120)
+
+    with ThreadPoolExecutor(1) as pool:
+        pending = pool.submit(send)
+        first_held_value(router, within_s=30)
+        deadline = time.monotonic() + 60
+        while held_prefill_tokens(router) > 0:
+            assert time.monotonic() < deadline, "prefill load never released"
+            time.sleep(0.002)
+        worker_load = httpx.get(worker["url"] + "/load", timeout=10).json()
+        requests_held = total(router, REQUESTS_GAUGE)
+        answered_by_then = pending.done()
+        response = pending.result()
+    assert not answered_by_then and requests_held == 1  # released mid-answer
+    assert worker_load["prefill_tokens"] == 0 and worker_load["running"] == 1, worker_load
+    assert response.status_code == 200
+    assert response.json()["usage"]["completion_tokens"] == 400
+    assert total(router, REQUESTS_GAUGE) == 0

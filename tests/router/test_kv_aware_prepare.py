@@ -82,3 +82,49 @@ async def test_the_loop_keeps_running_while_long_prompts_are_tokenized(model_dir
 
     await asyncio.gather(*(prepare_long() for _ in range(3)), serve_meanwhile())
     assert events.index("tick") < events.index("long"), events
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"messages": [{"role": "user", "content": "hi", "name": "ann"}]},
+        {"messages": [{"role": "system", "content": "s"}, {"role": "user", "content": "q"}]},
+        {
+            "messages": [
+                {"role": "user", "content": "weather?", "name": "ann"},
+                {
+                    "role": "assistant",
+                    "content": None,
+                    "refusal": None,
+                    "tool_calls": [
+                        {
+                            "id": "c1",
+                            "type": "function",
+                            "function": {"name": "f", "arguments": "{}"},
+                        },
+                    ],
+                },
+                {"role": "tool", "tool_call_id": "c1", "content": "sunny"},
+            ],
+            "tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}],
+        },
+        {"prompt": ["first prompt routes", "second one does not"]},
+        {"prompt": [[5, 6, 7, 8], [9, 10]]},
+    ],
+)
+def test_the_router_hashes_the_tokens_the_worker_computes_first(model_dir: Path, body) -> None:
+    """The router's tokens of a body are the worker's (chat: the same messages handed to
+    the same template; a list of prompts: its first)."""
+    from kvserve.model_folder.tokenizer import Tokenizer
+    from kvserve.worker.protocol import ChatCompletionRequest, CompletionRequest
+
+    body = {"model": "tiny", **body}
+    tokenizer = Tokenizer(model_dir)
+    if "messages" in body:
+        request = ChatCompletionRequest.model_validate(body)
+        messages, tools = request.template_input()
+        worker = tokenizer.encode_chat(messages, tools=tools)
+    else:
+        first = CompletionRequest.model_validate(body).prompts()[0]
+        worker = tokenizer.encode(first) if isinstance(first, str) else first
+    assert PromptHasher(model_dir).prompt_tokens(body) == worker

@@ -81,11 +81,14 @@ def test_load_is_visible_while_held_and_prefill_goes_at_first_token(
         assert during[GAUGES[0]][worker] == 1
         assert during[GAUGES[1]][worker] == 0  # the first token ended prefill
         assert b"[DONE]" in b"".join(chunks)
-    body = {"prompt": "p" * 400, "x_test": {"delay": 0.5}}
+    body = {"prompt": "p" * 400, "x_test": {"delay": 0.8}}  # under --request-timeout
     with ThreadPoolExecutor(1) as pool:
         pending = pool.submit(client.post, "/v1/completions", json=body)
-        time.sleep(0.25)
-        assert sum(held(router)[GAUGES[1]].values()) == 100  # 400 chars / 4, before any token
+        deadline = time.monotonic() + 10
+        while (prefill := sum(held(router)[GAUGES[1]].values())) == 0:
+            assert time.monotonic() < deadline and not pending.done(), "never held"
+            time.sleep(0.01)
+        assert prefill == 100  # 400 chars / 4, held while the answer is pending
         assert pending.result().status_code == 200
 
 

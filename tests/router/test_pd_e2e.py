@@ -5,6 +5,7 @@ All of it twice: over the built-in TCP transfer and over the Mooncake Transfer E
 
 from __future__ import annotations
 
+import json
 import socket
 import threading
 import time
@@ -16,6 +17,7 @@ import httpx
 import orjson
 import pytest
 
+from kvserve.engine.pd_import import DEFAULT_LEASE_TTL_S
 from kvserve.router.local_fleet import KVSERVE_COMMAND, ServerProcess
 from tests.support.metrics_text import by_label, samples
 from tests.support.ports import free_port
@@ -157,6 +159,36 @@ def test_pd_output_is_the_mixed_workers_greedy_output(fleet: Fleet) -> None:
     assert_at_baseline(fleet)
 
 
+def test_structured_output_and_forced_tool_calls_in_pd_mode(fleet: Fleet) -> None:
+    """The decode worker serves /pd/v1 as /v1: constrained output and tool calls, with the
+    prompt's KV from the prefill worker."""
+    schema = {
+        "type": "object",
+        "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}},
+        "required": ["n"],
+        "additionalProperties": False,
+    }
+    base = {"model": "tiny", "max_tokens": 60, "seed": 0}
+    messages = [{"role": "user", "content": words("delta", 120)}]
+    response_format = {"type": "json_schema", "json_schema": {"name": "n", "schema": schema}}
+    answer = httpx.post(
+        fleet.router.url + "/v1/chat/completions",
+        json={**base, "messages": messages, "response_format": response_format},
+        timeout=60,
+    )
+    assert answer.status_code == 200, answer.text
+    assert_served_by(fleet, answer, "remote", prefill_worker=True)
+    assert 0 <= json.loads(answer.json()["choices"][0]["message"]["content"])["n"] <= 9
+    tool = {"type": "function", "function": {"name": "count", "parameters": schema}}
+    named = {"type": "function", "function": {"name": "count"}}
+    body = {**base, "messages": messages, "tools": [tool], "tool_choice": named}
+    called = httpx.post(fleet.router.url + "/v1/chat/completions", json=body, timeout=60).json()
+    assert called["choices"][0]["finish_reason"] == "tool_calls"
+    [call] = called["choices"][0]["message"]["tool_calls"]
+    assert json.loads(call["function"]["arguments"]).keys() == {"n"}
+    assert_at_baseline(fleet)
+
+
 def test_prefill_cache_hits_and_decode_side_reuse(fleet: Fleet) -> None:
     shared = words("shared", 150)
     complete(fleet.router.url, shared + " " + words("first", 50))
@@ -187,6 +219,60 @@ def test_prefill_cache_hits_and_decode_side_reuse(fleet: Fleet) -> None:
     assert_at_baseline(fleet)
 
 
+def test_pd_serves_logprobs_and_refuses_several_choices(fleet: Fleet) -> None:
+    """A PD decode route serves one choice per request: logprobs yes, n > 1 a 400."""
+    response = complete(fleet.router.url, words("lp", 40), logprobs=2)
+    logprobs = response.json()["choices"][0]["logprobs"]
+    assert len(logprobs["tokens"]) == len(logprobs["token_logprobs"]) == GREEDY["max_tokens"]
+    for prompt, field in (("x", "n"), (["x", "y"], "prompt")):
+        extra = {"n": 2} if field == "n" else {}
+        refused = httpx.post(
+            fleet.router.url + "/v1/completions",
+            json={**GREEDY, "prompt": prompt, **extra},
+            timeout=60,
+        )
+        assert refused.status_code == 400, refused.text
+        assert refused.json()["error"]["param"] == field
+    assert_at_baseline(fleet)
+
+
+def router_requests_on(fleet: Fleet, worker: ServerProcess) -> float:
+    """The router's in-flight requests gauge for one worker."""
+    listed = httpx.get(fleet.router.url + "/workers", timeout=5).json()["workers"]
+    (worker_id,) = (w["id"] for w in listed if w["url"] == worker.url)
+    held = by_label(samples(fleet.router.url + "/metrics"), GAUGES[0], "worker")
+    return held.get(worker_id, 0.0)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_prefill_worker_load_released_when_its_part_is_done(fleet: Fleet, stream: bool) -> None:
+    """The router holds the prefill worker's load until the decode worker stopped waiting
+    for it, not through the decode (a non-streamed answer once held it to its end)."""
+    body = {**GREEDY, "prompt": words(f"release{stream}", 120), "max_tokens": 1500}
+    body["stream"] = stream
+    result: list[httpx.Response] = []
+
+    def send() -> None:
+        result.append(httpx.post(fleet.router.url + "/v1/completions", json=body, timeout=120))
+
+    thread = threading.Thread(target=send)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while router_requests_on(fleet, fleet.prefill) == 0:
+        assert time.monotonic() < deadline and thread.is_alive(), "the prefill worker never held"
+        time.sleep(0.002)
+    while router_requests_on(fleet, fleet.prefill) > 0:
+        assert time.monotonic() < deadline, "the prefill worker's load was never released"
+        time.sleep(0.002)
+    decoding = sum(load(d)["running"] for d in fleet.decodes)
+    answered_by_then = not thread.is_alive()
+    thread.join(120)
+    assert not answered_by_then and decoding == 1  # released while the decode ran on
+    assert result[0].status_code == 200
+    assert result[0].headers["x-kvserve-pd"] == "remote"
+    assert_at_baseline(fleet)
+
+
 def _long_prompt(tag: str) -> str:
     return f"{tag} {words('w', 800)}"  # about 3,000 tokens: ~95 prefill steps of 32 tokens
 
@@ -211,7 +297,16 @@ def test_client_cut_mid_transfer_releases_everything(fleet: Fleet) -> None:
             + body
         )
         _wait_for_prefill_running(fleet)
+        reserved = [
+            d
+            for d in fleet.decodes
+            if (s := load(d))["free_blocks"] + s["cached_blocks"] < NUM_BLOCKS
+        ]
+        assert reserved, "no decode worker holds a reservation"  # leased blocks, mid-transfer
+    cut_at = time.monotonic()
     assert_at_baseline(fleet)
+    # Released when the client left, not when the lease lapsed.
+    assert time.monotonic() - cut_at < DEFAULT_LEASE_TTL_S / 3
     assert complete(fleet.router.url, words("after-cut", 100)).status_code == 200
 
 

@@ -23,12 +23,51 @@ def test_chat_messages_flatten_in_order_with_roles() -> None:
     assert prompt_text(body) == "system\nBe brief.\nuser\nHi\n"
 
 
+def test_tools_and_tool_calls_count_in_a_chat_prompt() -> None:
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    call = {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    body = {
+        "tools": tools,
+        "messages": [
+            {"role": "user", "content": "Hi"},
+            {"role": "assistant", "content": None, "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": "c", "content": "ok"},
+        ],
+    }
+    text = prompt_text(body)
+    assert text.startswith('[{"function":{"name":"f","parameters":{"type":"object"}}')
+    assert text.endswith(
+        'user\nHi\nassistant\n\n[{"function":{"arguments":"{}","name":"f"},'
+        '"id":"c","type":"function"}]\ntool\nok\n'
+    )
+    # without tools, as before
+    assert prompt_text({"messages": body["messages"][:1]}) == "user\nHi\n"
+
+
 @pytest.mark.parametrize(
     ("prompt", "text"),
-    [("plain", "plain"), (["a", "b"], "a\nb"), ([1, 2, 3], "1\n2\n3"), (None, "")],
+    [
+        ("plain", "plain"),
+        (["a", "b"], "a"),
+        ([1, 2, 3], "1\n2\n3"),
+        ([[1, 2], [3]], "1\n2"),
+        (None, ""),
+        ([], ""),
+    ],
 )
-def test_completion_prompts_of_every_shape(prompt: object, text: str) -> None:
+def test_completion_prompts_of_every_shape_route_on_the_first(prompt: object, text: str) -> None:
     assert prompt_text({"prompt": prompt}) == text
+
+
+@pytest.mark.parametrize(
+    ("prompt", "tokens"),
+    [("x" * 400, 100), (["x" * 400, "y" * 40], 110), ([5] * 30, 30), ([[5] * 30, [6] * 7], 37)],
+)
+def test_a_list_of_prompts_loads_the_worker_with_their_sum(prompt: object, tokens: int) -> None:
+    """One request, one worker: its load is every prompt's, and n does not multiply it."""
+    body = {"prompt": prompt, "model": "m", "n": 4}
+    query = build_route_query(body, {}, session_header="h", chars_per_token=4)
+    assert query.prefill_tokens == tokens
 
 
 def test_session_key_from_header_then_user_field() -> None:

@@ -19,7 +19,7 @@ import pytest
 from kvserve.router.config import POLICY_NAMES
 from kvserve.router.local_fleet import KVSERVE_COMMAND, ServerProcess
 from tests.support.metrics_text import samples
-from tests.support.ports import free_port
+from tests.support.up_fleet import start_up
 
 SYSTEM = "You are a careful assistant. Always answer in exactly one short sentence. " * 3
 
@@ -27,22 +27,6 @@ SYSTEM = "You are a careful assistant. Always answer in exactly one short senten
 @pytest.fixture(scope="module")
 def cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("kvserve-cache")
-
-
-def start_up(cache_dir: Path, *options: str) -> ServerProcess:
-    port = free_port()
-    process = ServerProcess(
-        [*KVSERVE_COMMAND, "up", "--port", str(port), *options],
-        f"http://127.0.0.1:{port}",
-        name="up",
-        env={"KVSERVE_CACHE_DIR": str(cache_dir)},
-    )
-    process.wait_healthy(timeout_s=180)
-    deadline = time.monotonic() + 10
-    while "kvserve is up" not in process.log_tail():
-        assert time.monotonic() < deadline, process.log_tail()
-        time.sleep(0.05)
-    return process
 
 
 def stop_and_check(up: ServerProcess, signum: int, worker_urls: list[str]) -> None:

@@ -183,3 +183,13 @@ def test_cli_reads_an_azure_trace_and_says_it_shares_nothing(tmp_path: Path) -> 
 def test_cli_refuses_an_unknown_policy() -> None:
     completed = run_simulate("--policy", "psychic")
     assert completed.returncode != 0 and "unknown policy" in completed.stderr
+
+
+def test_cli_takes_kv_aware_recompute_weight_and_refuses_a_negative_one() -> None:
+    args = ["--workers", "2", "--cache-tokens", "100000", "--policy", "kv_aware"]
+    args += ["--profile", "tiny", "--json"]
+    completed = run_simulate(*args, "--kv-aware-recompute-weight", "0")
+    assert completed.returncode == 0, completed.stderr
+    assert json.loads(completed.stdout)[0]["requests"] == 6
+    refused = run_simulate(*args, "--kv-aware-recompute-weight", "-1")
+    assert refused.returncode != 0 and "recompute_weight must be >= 0" in refused.stderr

@@ -10,7 +10,9 @@ at 4 characters per token. A request can steer it with a body field the router p
     "x_test": {"status": 503, "delay": 1.5, "tokens": 40, "token_delay": 0.05}
 
 ``POST /admin/behavior {"status": 503}`` makes every later request fail the same way
-(``{"status": 0}`` restores it); ``GET /stats`` counts the requests it served.
+(``{"status": 0}`` restores it); ``{"fail_after_first_token": true}`` makes non-streamed
+answers fail as a kvserve worker's engine fault after its first-token headers does (200,
+``x-kvserve-first-token: 1``, an error body); ``GET /stats`` counts the requests it served.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ class ForeignServer:
         self.ttft_s = ttft_s
         self.token_delay_s = token_delay_s
         self.forced_status = 0
+        self.fail_after_first_token = False
         self.known_prefixes: set[str] = set()
         self.served = 0
         self.in_flight = 0
@@ -65,6 +68,10 @@ class ForeignServer:
             if status:
                 error = {"message": f"{self.name} injected {status}", "type": "server_error"}
                 return web.json_response({"error": error}, status=status)
+            if self.fail_after_first_token and not body.get("stream"):
+                error = {"message": f"{self.name} failed after its first token"}
+                headers = {"x-kvserve-first-token": "1"}
+                return web.json_response({"error": error}, headers=headers)
             prompt = _prompt_text(body)
             tokens = int(steer.get("tokens", body.get("max_tokens") or 4))
             usage = {
@@ -139,7 +146,9 @@ class ForeignServer:
         )
 
     async def behavior(self, request: web.Request) -> web.Response:
-        self.forced_status = int((await request.json()).get("status", 0))
+        behavior = await request.json()
+        self.forced_status = int(behavior.get("status", 0))
+        self.fail_after_first_token = bool(behavior.get("fail_after_first_token", False))
         return web.json_response({"status": self.forced_status})
 
     def app(self) -> web.Application:

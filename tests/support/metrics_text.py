@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import time
 import urllib.request
 
 _SAMPLE = re.compile(r"^(\w+)(?:\{([^}]*)\})? (\S+)$")
@@ -34,3 +35,21 @@ def by_label(
         for (metric, labels), value in all_samples.items()
         if metric == name and label in dict(labels)
     }
+
+
+def wait_until_indexed(
+    router_url: str, worker_id: str | None = None, timeout_s: float = 20.0
+) -> None:
+    """Poll until the router's KV index holds device blocks that a worker's own events
+    reported (``worker_id``'s, or any worker's): what follows may rely on them."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        held = {
+            dict(labels)["worker"]: value
+            for (name, labels), value in samples(router_url + "/metrics").items()
+            if name == "kvserve_router_kv_index_blocks" and ("tier", "device") in labels
+        }
+        if any(v > 0 for w, v in held.items() if worker_id in (None, w)):
+            return
+        assert time.monotonic() < deadline, f"the router's index never held blocks: {held}"
+        time.sleep(0.05)

@@ -38,7 +38,23 @@ def assert_error(response: httpx.Response, status: int, param: str | None) -> di
         ({"max_tokens": "5"}, "max_tokens"),
         ({"top_p": 0}, "top_p"),
         ({"top_k": -2}, "top_k"),
-        ({"n": 2}, "n"),
+        ({"n": 0}, "n"),
+        ({"n": 129}, "n"),
+        ({"n": "2"}, "n"),
+        ({"n": 3, "best_of": 2}, "best_of"),
+        ({"best_of": 2, "stream": True}, "best_of"),
+        ({"logprobs": 21}, "logprobs"),
+        ({"logprobs": True}, "logprobs"),
+        ({"echo": "yes"}, "echo"),
+        ({"prompt": ["a", ""]}, "prompt"),
+        ({"prompt": [[1, 2], []]}, "prompt"),
+        ({"prompt": [[1, 2], "a"]}, "prompt"),
+        ({"prompt": ["a"] * 257}, "prompt"),
+        ({"prompt": ["a"] * 100, "n": 3}, "n"),
+        ({"prompt": ["a", "b", "c"], "best_of": 100}, "best_of"),
+        ({"stream_options": {"include_usage": True}}, "stream_options"),
+        ({"stream": True, "stream_options": {"include_usage": 1}}, "stream_options"),
+        ({"stream": True, "stream_options": {"continuous_usage_stats": True}}, "stream_options"),
         ({"seed": 2**70}, "seed"),
         ({"stream": "yes"}, "stream"),
         ({"stop": ""}, "stop"),
@@ -80,6 +96,9 @@ def test_prompt_beyond_the_context_is_refused(worker: ServerProcess) -> None:
         ([{"role": "wizard", "content": "hi"}], "messages"),
         ([{"role": "user"}], "messages"),
         ([{"role": "user", "content": [{"type": "image_url", "url": "x"}]}], "messages"),
+        ([{"role": "user", "content": "hi", "cache_control": {}}], "messages"),
+        ([{"role": "user", "content": [{"type": "text", "text": "a", "x": 1}]}], "messages"),
+        ([{"role": "assistant", "content": "a", "tool_calls": [{"id": "1"}]}], "messages"),
     ],
 )
 def test_invalid_chat_messages_are_named(worker: ServerProcess, messages: Any, param: str) -> None:
@@ -163,3 +182,95 @@ def test_worker_still_serves_after_bad_input(worker: ServerProcess) -> None:
     with api(worker) as client:
         assert client.post("/v1/completions", json=valid(worker)).status_code == 200
         assert client.get("/debug/check").json() == {"ok": True}
+
+
+@pytest.mark.parametrize(
+    ("changes", "param", "code"),
+    [
+        ({"frobnicate": 1}, "frobnicate", "invalid_value"),
+        ({"functions": [{"name": "f"}]}, "functions", "unsupported_parameter"),
+        ({"function_call": "auto"}, "function_call", "unsupported_parameter"),
+        ({"presence_penalty": 0.5}, "presence_penalty", "unsupported_parameter"),
+        ({"frequency_penalty": -1.0}, "frequency_penalty", "unsupported_parameter"),
+        ({"logit_bias": {"5": 100}}, "logit_bias", "unsupported_parameter"),
+        ({"suffix": "end"}, "suffix", "invalid_value"),
+    ],
+)
+@pytest.mark.parametrize("route", ["/v1/completions", "/v1/chat/completions"])
+def test_a_field_the_worker_does_not_honour_is_named(
+    worker: ServerProcess, route: str, changes: dict[str, Any], param: str, code: str
+) -> None:
+    """Never silence: a client asking for something the worker would not do is told."""
+    if route.endswith("chat/completions"):
+        body = valid(worker, prompt=..., messages=[{"role": "user", "content": "hi"}], **changes)
+    else:
+        body = valid(worker, **changes)
+    with api(worker) as client:
+        response = client.post(route, json=body)
+    error = assert_error(response, 400, param)
+    assert error["code"] == code
+    assert param in error["message"]
+
+
+@pytest.mark.parametrize(
+    ("changes", "param"),
+    [
+        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+        ({"tool_choice": "auto"}, "tool_choice"),
+        ({"parallel_tool_calls": False}, "parallel_tool_calls"),
+    ],
+)
+def test_tools_on_completions_are_named(
+    worker: ServerProcess, changes: dict[str, Any], param: str
+) -> None:
+    """Chat serves tools; the completions API has none, so they are refused there."""
+    with api(worker) as client:
+        response = client.post("/v1/completions", json=valid(worker, **changes))
+    assert assert_error(response, 400, param)["code"] == "unsupported_parameter"
+
+
+@pytest.mark.parametrize(
+    ("changes", "path"),
+    [
+        ({"response_format": {"type": "json_object", "strict": True}}, "response_format.strict"),
+        ({"tools": [{"type": "function", "function": {"name": "f"}, "x": 1}]}, "tools.0.x"),
+    ],
+)
+def test_an_unknown_field_inside_a_structured_field_is_named(
+    worker: ServerProcess, changes: dict[str, Any], path: str
+) -> None:
+    """OpenAI's ``param`` is the top-level field; the message has the full path."""
+    body = valid(worker, prompt=..., messages=[{"role": "user", "content": "hi"}], **changes)
+    with api(worker) as client:
+        response = client.post("/v1/chat/completions", json=body)
+    assert path in assert_error(response, 400, path.split(".")[0])["message"]
+
+
+@pytest.mark.parametrize(
+    ("changes", "param"),
+    [
+        ({"top_logprobs": 3}, "top_logprobs"),
+        ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+        ({"logprobs": 3}, "logprobs"),
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"echo": True}, "echo"),
+    ],
+)
+def test_invalid_chat_parameter_is_named(
+    worker: ServerProcess, changes: dict[str, Any], param: str
+) -> None:
+    body = valid(worker, prompt=..., messages=[{"role": "user", "content": "hi"}], **changes)
+    with api(worker) as client:
+        response = client.post("/v1/chat/completions", json=body)
+    assert_error(response, 400, param)
+
+
+def test_an_assistant_message_replayed_with_null_fields_is_served(worker: ServerProcess) -> None:
+    """What the openai SDK dumps of a response message: the fields it leaves null."""
+    replayed = {"role": "assistant", "content": "hello", "refusal": None, "tool_calls": None}
+    messages = [{"role": "user", "content": "hi", "name": "ann"}, replayed]
+    messages.append({"role": "user", "content": "again"})
+    body = valid(worker, prompt=..., messages=messages)
+    with api(worker) as client:
+        response = client.post("/v1/chat/completions", json=body)
+    assert response.status_code == 200, response.text

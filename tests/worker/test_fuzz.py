@@ -23,6 +23,10 @@ from tests.worker.worker_process import AUTH, served_model
 # of decoding; the parameters' validation is exercised all the same.
 _LENGTH_FIELDS = ("max_tokens", "max_completion_tokens", "min_tokens")
 _MAX_FUZZ_TOKENS = 4
+# Choices multiply a case's cost (a chat without max_tokens decodes to the end of the
+# context, n times over); min() keeps best_of >= n where it held.
+_CHOICE_FIELDS = ("n", "best_of")
+_MAX_FUZZ_CHOICES = 3
 _MAX_FUZZ_WAIT_S = 0.1
 _EXAMPLES_PER_OPERATION = 15
 _GENERATION_ROUTES = ("POST /v1/completions", "POST /v1/chat/completions")
@@ -34,6 +38,10 @@ def adapt_case(case: schemathesis.Case, model: str, mode: GenerationMode) -> Non
             value = case.body.get(name)
             if isinstance(value, int) and not isinstance(value, bool):
                 case.body[name] = min(value, _MAX_FUZZ_TOKENS)
+        for name in _CHOICE_FIELDS:
+            value = case.body.get(name)
+            if isinstance(value, int) and not isinstance(value, bool):
+                case.body[name] = min(value, _MAX_FUZZ_CHOICES)
         if mode is GenerationMode.POSITIVE and "model" in case.body:
             case.body["model"] = model
     if isinstance(case.query, dict):

@@ -134,3 +134,4 @@ def test_health_and_idle_load(worker: ServerProcess) -> None:
     assert idle["prefill_tokens"] == 0
     assert idle["total_blocks"] > 0
     assert idle["free_blocks"] + idle["cached_blocks"] == idle["total_blocks"]
+    assert idle["evictable_blocks"] == idle["cached_blocks"]  # nothing running pins any

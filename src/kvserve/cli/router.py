@@ -6,6 +6,9 @@ from typing import Annotated, cast
 
 import typer
 
+from kvserve.cli.client_limit_options import LIMITS, client_limit
+from kvserve.core.client_limits import ClientLimits
+
 _TUNING = "Policy tuning"
 _RELIABILITY = "Retries, circuit breaker, health checks"
 _PD = "Prefill/decode disaggregation"
@@ -38,7 +41,17 @@ def register(app: typer.Typer) -> None:
                 help="Worker base URLs: --worker-urls URL [URL ...] (or repeat the flag).",
             ),
         ] = None,
-        more_worker_urls: Annotated[
+        kv_events: Annotated[
+            list[str] | None,
+            typer.Option(
+                "--kv-events",
+                help="Per worker URL, by position: where to read its KV events. 'kvserve' "
+                "(its HTTP stream, the default) or a ZMQ publisher in vLLM's format "
+                "(vLLM, SGLang, kvserve --kv-events-publisher): tcp://host:port or "
+                "ipc://path, optionally ?replay=tcp://host:port.",
+            ),
+        ] = None,
+        more_values: Annotated[
             list[str] | None, typer.Argument(hidden=True, metavar="[URL]...")
         ] = None,
         prefill: Annotated[list[str] | None, _pd_pool("prefill")] = None,
@@ -109,15 +122,56 @@ def register(app: typer.Typer) -> None:
             float, typer.Option(help="Seconds per attempt, streaming included.")
         ] = 1800.0,
         max_request_bytes: int = 32 * 1024 * 1024,
+        kv_block_size: Annotated[
+            int | None,
+            _tuning("kv_aware over ZMQ event sources: block size (default: from the events)."),
+        ] = None,
+        kv_prefill_token_s: Annotated[
+            float | None,
+            _tuning(
+                "kv_aware: seconds a worker takes per uncached prompt token (default: "
+                "Llama-3-8B on an H100). Calibrate for other engines and hardware."
+            ),
+        ] = None,
+        kv_decode_request_s: Annotated[
+            float | None,
+            _tuning(
+                "kv_aware: seconds each running request adds to a new prefill (default: "
+                "5 ms, a GPU's; on a CPU a decode costs about what a prompt token does)."
+            ),
+        ] = None,
+        header_timeout: Annotated[float, client_limit("Seconds a request's headers may take.")] = (
+            LIMITS.header_timeout_s
+        ),
+        body_timeout: Annotated[float, client_limit("Seconds a request's body may take.")] = (
+            LIMITS.body_timeout_s
+        ),
+        max_header_bytes: Annotated[int, client_limit("Request line and headers (431 beyond).")] = (
+            LIMITS.max_header_bytes
+        ),
+        max_connections: Annotated[int, client_limit("Connections at once (503 beyond).")] = (
+            LIMITS.max_connections
+        ),
     ) -> None:
         """Route OpenAI requests over workers (defaults match sglang-router's)."""
         from kvserve.core.routing.cache_aware import CacheAwareConfig
+        from kvserve.core.routing.kv_aware import KvAwareConfig
         from kvserve.router import RouterConfig, run_router
         from kvserve.router.config import CircuitBreakerConfig, HealthCheckConfig, RetryConfig
 
+        # ``--worker-urls A B --kv-events X Y``: the values after the first of each flag
+        # arrive here, told apart by their scheme.
+        extra = more_values or []
+        extra_sources = [v for v in extra if not v.startswith(("http://", "https://"))]
+        default_costs = KvAwareConfig()
         try:
             config = RouterConfig(
-                worker_urls=(*(worker_urls or ()), *(more_worker_urls or ())),
+                worker_urls=(
+                    *(worker_urls or ()),
+                    *(v for v in extra if v.startswith(("http://", "https://"))),
+                ),
+                kv_events=(*(kv_events or ()), *extra_sources),
+                kv_block_size=kv_block_size,
                 prefill_urls=_url_list(prefill),
                 decode_urls=_url_list(decode),
                 policy=policy,
@@ -132,6 +186,14 @@ def register(app: typer.Typer) -> None:
                     balance_rel_threshold=balance_rel_threshold,
                     eviction_interval_s=eviction_interval_secs,
                     max_tree_size=max_tree_size,
+                ),
+                kv_aware=KvAwareConfig(
+                    prefill_token_s=default_costs.prefill_token_s
+                    if kv_prefill_token_s is None
+                    else kv_prefill_token_s,
+                    decode_request_s=default_costs.decode_request_s
+                    if kv_decode_request_s is None
+                    else kv_decode_request_s,
                 ),
                 session_header=session_header,
                 tokenizer=tokenizer,
@@ -154,6 +216,9 @@ def register(app: typer.Typer) -> None:
                 ),
                 request_timeout_s=request_timeout,
                 max_request_bytes=max_request_bytes,
+                client_limits=ClientLimits(
+                    header_timeout, body_timeout, max_header_bytes, max_connections
+                ),
             )
         except ValueError as error:
             raise typer.BadParameter(str(error)) from error

@@ -66,6 +66,13 @@ def register(app: typer.Typer) -> None:
         seed: Annotated[
             int, typer.Option(help="Seed of the random and power_of_two policies.")
         ] = 0,
+        kv_aware_recompute_weight: Annotated[
+            float | None,
+            typer.Option(
+                help="kv_aware: score seconds per second of prefill a choice computes "
+                "beyond the deepest holder's (default: the policy's own)."
+            ),
+        ] = None,
         as_json: Annotated[bool, typer.Option("--json", help="Print JSON, not a table.")] = False,
         out: Annotated[
             Path | None, typer.Option(help="Write results.json, report.md and plots here.")
@@ -93,6 +100,9 @@ def register(app: typer.Typer) -> None:
         unknown = [p for p in names if p not in POLICIES]
         if unknown or not names:
             raise typer.BadParameter(f"unknown policy {unknown}; choose from {POLICIES}")
+        kv_aware_overrides = {}
+        if kv_aware_recompute_weight is not None:
+            kv_aware_overrides["recompute_weight"] = kv_aware_recompute_weight
         try:
             cost = cost_profile(profile)
             config = SimConfig(
@@ -101,7 +111,7 @@ def register(app: typer.Typer) -> None:
                 cost=cost,
                 max_num_batched_tokens=max_num_batched_tokens,
                 seed=seed,
-                kv_aware=KvAwareConfig.from_cost_model(cost),
+                kv_aware=KvAwareConfig.from_cost_model(cost, **kv_aware_overrides),
                 router_replicas=router_replicas,
                 load_report_interval_s=load_report_interval,
             )

@@ -127,7 +127,9 @@ def register(app: typer.Typer) -> None:
             ),
         ] = None,
     ) -> None:
-        """Start workers and a router on this machine; Ctrl-C stops everything."""
+        """Start workers and a router on this machine and keep them running: a worker that
+        exits is restarted on its port (with backoff; crash loops are reported). Ctrl-C
+        stops everything; so does the router's exit."""
         from kvserve.router.local_fleet import LocalFleet, StartError, port_taken
 
         if policy not in POLICY_NAMES:
@@ -183,6 +185,8 @@ def register(app: typer.Typer) -> None:
         typer.echo(f"starting {workers} worker(s) (logs: {log_dir}) ...")
         try:
             fleet.start(start_timeout)
+            for process in fleet.processes:  # before "is up": whoever waits for it may kill
+                typer.echo(fleet.started_line(process))
             typer.echo(
                 f"\nkvserve is up: {fleet.url}/v1  ({workers} workers, policy {policy})\n"
                 f"dashboard: {fleet.url}/dashboard\n"
@@ -192,8 +196,12 @@ def register(app: typer.Typer) -> None:
                 f' "content": "Hello!"}}], "max_tokens": 16}}\'\n'
                 "Ctrl-C to stop.",
             )
-            exited = fleet.wait_for_exit()
-            typer.echo(f"{exited.name} exited unexpectedly:\n{exited.log_tail()}", err=True)
+            router = fleet.supervise(lambda line: typer.echo(line, err=True))
+            typer.echo(
+                f"the router exited ({router.exit_reason()}); stopping the fleet:\n"
+                f"{router.log_tail()}",
+                err=True,
+            )
             raise typer.Exit(1)
         except StartError as error:
             typer.echo(str(error), err=True)

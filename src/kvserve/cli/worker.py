@@ -8,6 +8,9 @@ from typing import Annotated
 
 import typer
 
+from kvserve.cli.client_limit_options import LIMITS, client_limit
+from kvserve.core.client_limits import ClientLimits
+
 
 def register(app: typer.Typer) -> None:
     @app.command()
@@ -93,6 +96,29 @@ def register(app: typer.Typer) -> None:
         storage_write_policy: Annotated[
             str, typer.Option(help="Blocks written to storage: write_through | hit_count:K.")
         ] = "write_through",
+        kv_events_publisher: Annotated[
+            str | None,
+            typer.Option(
+                help="Also publish KV events on ZMQ in vLLM's format (tcp://*:PORT binds, "
+                "tcp://host:PORT connects), for routers built for vLLM fleets."
+            ),
+        ] = None,
+        kv_events_replay: Annotated[
+            str | None,
+            typer.Option(help="With --kv-events-publisher: its replay socket (tcp://*:PORT)."),
+        ] = None,
+        header_timeout: Annotated[float, client_limit("Seconds a request's headers may take.")] = (
+            LIMITS.header_timeout_s
+        ),
+        body_timeout: Annotated[float, client_limit("Seconds a request's body may take.")] = (
+            LIMITS.body_timeout_s
+        ),
+        max_header_bytes: Annotated[int, client_limit("Request line and headers (431 beyond).")] = (
+            LIMITS.max_header_bytes
+        ),
+        max_connections: Annotated[int, client_limit("Connections at once (503 beyond).")] = (
+            LIMITS.max_connections
+        ),
     ) -> None:
         """Serve one engine: OpenAI API, /health, /load, /metrics, KV events."""
         from kvserve.core.routing.pd_pair import PDConfig
@@ -122,6 +148,8 @@ def register(app: typer.Typer) -> None:
             profile(sim_profile)
         except ValueError as error:
             raise typer.BadParameter(str(error), param_hint="--sim-profile") from error
+        if kv_events_replay is not None and kv_events_publisher is None:
+            raise typer.BadParameter("needs --kv-events-publisher", param_hint="--kv-events-replay")
         if num_blocks is not None and kv_cache_memory is not None:
             raise typer.BadParameter("give --num-blocks or --kv-cache-memory, not both")
         try:
@@ -135,6 +163,12 @@ def register(app: typer.Typer) -> None:
                     else kv_storage_max_bytes
                 ),
                 write_policy=storage_write_policy,
+            )
+        except ValueError as error:
+            raise typer.BadParameter(str(error)) from error
+        try:
+            client_limits = ClientLimits(
+                header_timeout, body_timeout, max_header_bytes, max_connections
             )
         except ValueError as error:
             raise typer.BadParameter(str(error)) from error
@@ -164,5 +198,8 @@ def register(app: typer.Typer) -> None:
                 pd=PDConfig(pd_min_remote_tokens, pd_local_hit_fraction),
                 kv_tiers=kv_tiers,
                 kv_transfer=kv_transfer,
+                kv_events_publisher=kv_events_publisher,
+                kv_events_replay=kv_events_replay,
+                client_limits=client_limits,
             )
         )

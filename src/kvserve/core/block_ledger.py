@@ -171,14 +171,19 @@ class BlockLedger:
         return self._tree.match(hashes)
 
     def insert(
-        self, hashes: Sequence[int], blocks: Sequence[int], parent_hash: int | None = None
+        self,
+        hashes: Sequence[int],
+        blocks: Sequence[int],
+        parent_hash: int | None = None,
+        token_ids: Sequence[int] = (),
     ) -> list[int]:
         """Commit owned blocks as the chain ``hashes`` (block i holds hash i), pinned.
 
         ``parent_hash`` is the cached block the chain continues (``None``: the root). A
         leading part of the chain that is already cached keeps its cached blocks (pinned
         for the caller) and the caller's blocks for it stay owned. Returns, per hash, the
-        cached block now pinned for the caller. Emits one ``stored`` event.
+        cached block now pinned for the caller. Emits one ``stored`` event, with the new
+        blocks' tokens when ``token_ids`` (the chain's, ``block_size`` per hash) is given.
         """
         if len(hashes) != len(blocks):
             raise ValueError(f"{len(hashes)} hashes for {len(blocks)} blocks")
@@ -196,7 +201,8 @@ class BlockLedger:
         if new_blocks:
             first = num_cached
             chain_parent = hashes[first - 1] if first else parent_hash
-            self._events.append("stored", self.tier, hashes[first:], chain_parent)
+            tokens = token_ids[first * self.block_size :]
+            self._events.append("stored", self.tier, hashes[first:], chain_parent, tokens)
             existing.extend(new_blocks)
         return existing
 

@@ -122,8 +122,14 @@ class KVCacheManager:
         request.table.extend(ledger.allocate(need))
         return True
 
-    def commit_blocks(self, request_id: str, hashes: Sequence[int]) -> None:
-        """Commit the request's full blocks ``hashes[i]`` (block i) not yet committed."""
+    def commit_blocks(
+        self, request_id: str, hashes: Sequence[int], token_ids: Sequence[int] = ()
+    ) -> None:
+        """Commit the request's full blocks ``hashes[i]`` (block i) not yet committed.
+
+        ``token_ids``, the request's tokens from its first, go into the ``stored`` event
+        when given and the log records tokens (a vLLM-format subscriber keys blocks by
+        them)."""
         request = self._require(request_id)
         pinned = request.pinned
         done = len(pinned)
@@ -142,7 +148,15 @@ class KVCacheManager:
                 f"request {request_id!r}: hash of block {done - 1} differs from the one "
                 "it matched or committed"
             )
-        pinned.extend(ledger.insert(hashes[done:], table[done : len(hashes)], parent_hash))
+        size = ledger.block_size
+        keep = token_ids and ledger.events.record_tokens
+        tokens = token_ids[done * size : len(hashes) * size] if keep else ()
+        pinned.extend(ledger.insert(hashes[done:], table[done : len(hashes)], parent_hash, tokens))
+
+    def num_request_blocks(self, request_id: str) -> int:
+        """Blocks in the request's table (0 for an unknown id), without copying it."""
+        request = self._requests.get(request_id)
+        return len(request.table) if request else 0
 
     def block_table(self, request_id: str) -> list[int]:
         request = self._requests.get(request_id)
@@ -157,6 +171,11 @@ class KVCacheManager:
         ledger = self._ledger
         ledger.unpin(request.pinned[::-1])  # deepest first: cheapest for the tree
         ledger.free(request.owned_blocks())
+
+    def ref_count(self, block: int) -> int:
+        """Requests pinning a cached block (0 for a free or owned one): a prompt's blocks
+        shared by forked choices are pinned once per choice, allocated once."""
+        return self._ledger.ref_count(block)
 
     def lookup_prefix(self, hashes: Sequence[int]) -> list[int]:
         """The blocks of the longest cached prefix of ``hashes``, not pinned: valid only

@@ -30,6 +30,9 @@ class KVEvent:
     ``stored``: ``block_hashes`` is a chain, parent first, and ``parent_hash`` is the hash
     of the block before the first one (``None`` when the chain starts at the root).
     ``removed``: the hashes dropped, in any order. ``cleared``: the tier now holds nothing.
+    ``token_ids``: a ``stored`` chain's tokens (``block_size`` per block) when the writer
+    knew them, else empty. Only the vLLM-format publisher reads them: a foreign router
+    keys blocks by its own hash of the tokens, not by ours.
     """
 
     seq: int
@@ -37,6 +40,7 @@ class KVEvent:
     tier: str
     block_hashes: tuple[int, ...]
     parent_hash: int | None = None
+    token_ids: tuple[int, ...] = ()
 
 
 class EventGapError(Exception):
@@ -48,15 +52,20 @@ class EventGapError(Exception):
 
 
 class EventLog:
-    """Sequence-numbered events with a bounded history."""
+    """Sequence-numbered events with a bounded history.
 
-    __slots__ = ("_history", "last_seq")
+    ``record_tokens``: keep the token ids writers give with ``stored`` events. Off by
+    default: only a vLLM-format publisher reads them, and a history of long prompts'
+    tokens would cost memory every other log (the simulator's many) does not need."""
 
-    def __init__(self, max_history: int = DEFAULT_HISTORY) -> None:
+    __slots__ = ("_history", "last_seq", "record_tokens")
+
+    def __init__(self, max_history: int = DEFAULT_HISTORY, record_tokens: bool = False) -> None:
         if max_history <= 0:
             raise ValueError(f"max_history must be positive, got {max_history}")
         self._history: deque[KVEvent] = deque(maxlen=max_history)
         self.last_seq = 0
+        self.record_tokens = record_tokens
 
     def append(
         self,
@@ -64,11 +73,13 @@ class EventLog:
         tier: str,
         block_hashes: Sequence[int],
         parent_hash: int | None = None,
+        token_ids: Sequence[int] = (),
     ) -> KVEvent:
         if kind not in EVENT_KINDS:
             raise ValueError(f"unknown KV event kind {kind!r}")
         self.last_seq += 1
-        event = KVEvent(self.last_seq, kind, tier, tuple(block_hashes), parent_hash)
+        tokens = tuple(token_ids) if self.record_tokens else ()
+        event = KVEvent(self.last_seq, kind, tier, tuple(block_hashes), parent_hash, tokens)
         self._history.append(event)
         return event
 

@@ -24,7 +24,8 @@ class Request:
     """Token state of one request; the scheduler owns the transitions.
 
     ``max_tokens`` is the effective output limit (the caller folds the model's context
-    length into it), so the scheduler never has to know the model.
+    length into it), so the scheduler never has to know the model. 0 means the prompt
+    is computed (for its logprobs) and nothing is generated.
     """
 
     def __init__(
@@ -39,8 +40,8 @@ class Request:
     ) -> None:
         if not prompt_token_ids:
             raise ValueError(f"request {request_id!r} has an empty prompt")
-        if max_tokens < 1:
-            raise ValueError(f"request {request_id!r} has max_tokens {max_tokens} < 1")
+        if max_tokens < 0:
+            raise ValueError(f"request {request_id!r} has max_tokens {max_tokens} < 0")
         self.request_id = request_id
         self.params = params
         self.max_tokens = max_tokens
@@ -56,6 +57,9 @@ class Request:
         self.num_committed_blocks = 0
         # Prompt tokens served from cache at first admission (what the client is told).
         self.num_cached_tokens: int | None = None
+        # False while the caller needs the logits of prompt positions (prompt logprobs):
+        # a cached block holds K/V, not logits, so admission then matches nothing.
+        self.reuse_prefix = True
 
     def __repr__(self) -> str:
         return (
@@ -66,6 +70,10 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.token_ids[: self.num_prompt_tokens]
 
     @property
     def output_token_ids(self) -> list[int]:
@@ -94,10 +102,13 @@ class Request:
         return self.status is RequestStatus.FINISHED
 
     def reusable_block_hashes(self) -> list[int]:
-        """Hashes of the full blocks strictly before the last token.
+        """Hashes of the full blocks strictly before the last token (none while
+        ``reuse_prefix`` is off).
 
         The last token is always recomputed: its logits are needed to sample the next one.
         """
+        if not self.reuse_prefix:
+            return []
         hashes = self.hash_chain.extend_to(self.token_ids)
         return hashes[: (self.num_tokens - 1) // self.hash_chain.block_size]
 

@@ -10,7 +10,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from kvserve.core.structured_output import StructuredOutput
+
 _GREEDY_BELOW = 1e-5
+# Alternatives returned per token: OpenAI's own bound for top_logprobs.
+MAX_LOGPROBS = 20
 
 
 class InvalidParameterError(ValueError):
@@ -29,6 +33,12 @@ class SamplingParams:
     disable those filters. ``max_tokens=None`` lets the request run to the end of the
     model's context.
     A ``seed`` makes the request's samples reproducible whatever else is in the batch.
+    ``structured_output`` constrains every sampled token to a grammar (JSON schema).
+
+    ``logprobs=k`` returns each sampled token's log-probability and the ``k`` most likely
+    alternatives (0: the sampled token's alone); ``prompt_logprobs=k`` the same for every
+    prompt token but the first, which ``max_tokens=0`` then allows without generating
+    (OpenAI's ``echo`` with ``max_tokens: 0``, which eval harnesses score with).
     """
 
     max_tokens: int | None = 16
@@ -40,6 +50,9 @@ class SamplingParams:
     stop_token_ids: Sequence[int] = field(default_factory=tuple)
     ignore_eos: bool = False
     min_tokens: int = 0
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    structured_output: StructuredOutput | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -53,12 +66,21 @@ class SamplingParams:
 
         Called at construction and again by the engine, since the object is mutable.
         """
+        least = 0 if self.prompt_logprobs is not None else 1
         if self.max_tokens is not None and (
-            not isinstance(self.max_tokens, int) or self.max_tokens < 1
+            not isinstance(self.max_tokens, int) or self.max_tokens < least
         ):
             raise InvalidParameterError(
-                "max_tokens", f"max_tokens must be an integer >= 1, got {self.max_tokens!r}"
+                "max_tokens",
+                f"max_tokens must be an integer >= {least}, got {self.max_tokens!r}"
+                + ("" if least == 0 else " (0 only with prompt logprobs)"),
             )
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or not 0 <= value <= MAX_LOGPROBS):
+                raise InvalidParameterError(
+                    name, f"{name} must be an integer in [0, {MAX_LOGPROBS}], got {value!r}"
+                )
         if not self.temperature >= 0:
             raise InvalidParameterError(
                 "temperature", f"temperature must be >= 0, got {self.temperature!r}"
@@ -77,6 +99,11 @@ class SamplingParams:
             raise InvalidParameterError(
                 "min_tokens",
                 f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})",
+            )
+        if self.structured_output is not None and self.min_tokens > 0:
+            # The grammar alone decides where a structured output may end.
+            raise InvalidParameterError(
+                "min_tokens", "min_tokens cannot be combined with structured output"
             )
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise InvalidParameterError("stop", "stop strings must be non-empty strings")

@@ -3,9 +3,11 @@
 Each step fills a token budget: running decodes first (one token each, they are what
 users wait on between tokens), then running prefills, then new admissions in arrival
 order, each chunked to what is left of the budget. A new request starts from its
-longest cached prefix. When a running request cannot grow, the newest running request
-is preempted by recompute: its computed blocks are already committed to the prefix
-tree, so when it comes back it matches them and recomputes only the rest.
+longest cached prefix; one whose next block another running request is computing right
+now waits for that block to be committed instead of computing it a second time. When a
+running request cannot grow, the newest running request is preempted by recompute: its
+computed blocks are already committed to the prefix tree, so when it comes back it
+matches them and recomputes only the rest.
 
 Pure logic: the caller runs the model and reports back through :meth:`Scheduler.advance`.
 """
@@ -13,6 +15,7 @@ Pure logic: the caller runs the model and reports back through :meth:`Scheduler.
 from __future__ import annotations
 
 import bisect
+import enum
 import math
 from dataclasses import dataclass, field
 
@@ -85,10 +88,24 @@ class _StepPlan:
     chunks: dict[str, ScheduledChunk] = field(default_factory=dict)
     preempted: list[Request] = field(default_factory=list)
     rejected: list[Request] = field(default_factory=list)
+    # Hashes of prompt blocks that running requests are computing but have not committed.
+    in_flight: set[int] = field(default_factory=set)
+
+
+class _Admission(enum.Enum):
+    ADMITTED = enum.auto()
+    NO_ROOM = enum.auto()  # no blocks or budget: later arrivals wait too
+    DEFERRED = enum.auto()  # its next block is being computed: later arrivals may go
 
 
 def _by_arrival(request: Request) -> int:
     return request.arrival_order
+
+
+def _add_in_flight(request: Request, in_flight: set[int]) -> None:
+    """The prompt blocks ``request`` will compute and commit, if it is still prefilling."""
+    if not request.is_decoding:
+        in_flight.update(request.reusable_block_hashes()[request.num_committed_blocks :])
 
 
 class Scheduler:
@@ -204,6 +221,8 @@ class Scheduler:
     def _admit_waiting(self, plan: _StepPlan) -> None:
         capacity = self.kv_cache.num_blocks * self.block_size
         connector = self._connector
+        for running in self.running:
+            _add_in_flight(running, plan.in_flight)
         index = 0  # waiting requests before it are still loading their KV: they wait
         while (
             index < len(self.waiting)
@@ -218,11 +237,16 @@ class Scheduler:
             if connector is not None and not connector.may_admit(request):
                 index += 1
                 continue
-            if not self._try_admit(request, plan):
+            admission = self._try_admit(request, plan)
+            if admission is _Admission.NO_ROOM:
                 return
+            if admission is _Admission.DEFERRED:
+                index += 1
+                continue
             self.waiting.pop(index)
             request.status = RequestStatus.RUNNING
             bisect.insort(self.running, request, key=_by_arrival)
+            _add_in_flight(request, plan.in_flight)
 
     def _reject(self, request: Request, plan: _StepPlan) -> None:
         """It could never fit, even alone: running it would preempt itself forever."""
@@ -233,22 +257,31 @@ class Scheduler:
         if self._connector is not None:
             self._connector.request_finished(request)
 
-    def _try_admit(self, request: Request, plan: _StepPlan) -> bool:
-        """Match the cached prefix and allocate the first chunk, or change nothing."""
+    def _try_admit(self, request: Request, plan: _StepPlan) -> _Admission:
+        """Match the cached prefix and allocate the first chunk, or change nothing.
+
+        Deferring a request whose next block is in flight trades one step of its TTFT
+        for the whole shared prefix's compute: with many requests behind one system
+        prompt, admitting them together would compute that prompt once per request.
+        """
         reserve = self.watermark_blocks if self.running else 0
         if self.kv_cache.num_available_blocks - 1 < reserve:
             # Even a full match leaves one block to allocate: skip pinning the prefix
             # only to release it.
-            return False
+            return _Admission.NO_ROOM
         request_id = request.request_id
-        matched = self.kv_cache.match_prefix(request_id, request.reusable_block_hashes())
+        reusable = request.reusable_block_hashes()
+        matched = self.kv_cache.match_prefix(request_id, reusable)
+        if matched < len(reusable) and reusable[matched] in plan.in_flight:
+            self.kv_cache.free_request(request_id)
+            return _Admission.DEFERRED
         num_cached = matched * self.block_size
         num_new = min(request.num_tokens - num_cached, plan.budget)
         new_blocks = -(-(num_cached + num_new) // self.block_size) - matched
         keeps_watermark = self.kv_cache.num_available_blocks - new_blocks >= reserve
         if not (keeps_watermark and self.kv_cache.allocate_slots(request_id, num_cached + num_new)):
             self.kv_cache.free_request(request_id)
-            return False
+            return _Admission.NO_ROOM
         request.num_computed_tokens = num_cached
         request.num_committed_blocks = matched
         if request.num_cached_tokens is None:
@@ -258,7 +291,7 @@ class Scheduler:
             self.stats.cached_prompt_tokens += num_cached
         plan.chunks[request_id] = ScheduledChunk(request, num_cached, num_new)
         plan.budget -= num_new
-        return True
+        return _Admission.ADMITTED
 
     def advance(self, output: SchedulerOutput) -> None:
         """Record that the model computed every scheduled chunk; commit full blocks.
@@ -272,5 +305,7 @@ class Scheduler:
             self.stats.computed_tokens += chunk.num_tokens
             num_full = request.num_computed_tokens // self.block_size
             if num_full > request.num_committed_blocks:
-                self.kv_cache.commit_blocks(request.request_id, request.computed_block_hashes())
+                self.kv_cache.commit_blocks(
+                    request.request_id, request.computed_block_hashes(), request.token_ids
+                )
                 request.num_committed_blocks = num_full

@@ -46,7 +46,8 @@ class CostModelRunner:
     def forward(self, batch: list[SequenceBatchItem]) -> torch.Tensor:
         started = time.perf_counter()
         step_s = self.cost.step_time((item.start_pos, len(item.token_ids)) for item in batch)
-        logits = torch.full((len(batch), self.config.vocab_size), _UNLIKELY)
+        rows = sum(len(item.token_ids) if item.all_logits else 1 for item in batch)
+        logits = torch.full((rows, self.config.vocab_size), _UNLIKELY)
         logits[:, self.filler_token_id] = 0.0
         time.sleep(max(0.0, step_s - (time.perf_counter() - started)))
         return logits

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from array import array
 from collections.abc import Hashable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -32,6 +32,8 @@ class SequenceBatchItem:
     # Names the sequence across steps (e.g. its request), so that while it decodes step
     # after step its K/V stay in a contiguous decode row; None: gathered afresh each step.
     sequence_key: Hashable | None = None
+    # Logits of every token computed this step, not only the last (prompt logprobs).
+    all_logits: bool = False
 
 
 # Decode rows may use this much memory beyond the pool (a copy of the decoding contexts),
@@ -92,7 +94,9 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward(self, batch: list[SequenceBatchItem]) -> torch.Tensor:
-        """Float32 logits ``[len(batch), vocab_size]`` of each item's last new token."""
+        """Float32 logits of each item's last new token, in batch order; an item with
+        ``all_logits`` contributes one row per new token instead: ``[rows, vocab_size]``
+        (``[len(batch), vocab_size]`` when no item asks for all)."""
         self._check(batch)
         decoding = [item for item in batch if len(item.token_ids) == 1]
         rows = (
@@ -117,6 +121,8 @@ class ModelRunner:
             rows=rows,
             in_place=self._in_place,
         )
+        if any(item.all_logits for item in batch):
+            layout = replace(layout, last_token_index=_output_index(batch, self.device))
         token_ids = array("q")
         for item in batch:
             token_ids.extend(item.token_ids)
@@ -152,3 +158,14 @@ class ModelRunner:
                 raise ValueError(f"block id out of range [0, {self.kv_pool.num_blocks})")
             if min(item.token_ids) < 0 or max(item.token_ids) >= self.config.vocab_size:
                 raise ValueError(f"token id out of range [0, {self.config.vocab_size})")
+
+
+def _output_index(batch: list[SequenceBatchItem], device: torch.device) -> torch.Tensor:
+    """Flat indexes of the tokens whose logits ``forward`` returns."""
+    index = array("q")
+    offset = 0
+    for item in batch:
+        count = len(item.token_ids)
+        index.extend(range(offset, offset + count) if item.all_logits else (offset + count - 1,))
+        offset += count
+    return long_tensor(index, device)

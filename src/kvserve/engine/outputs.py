@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from kvserve.engine.logprobs import TokenLogprob
+
 
 @dataclass(slots=True)
 class RequestOutput:
@@ -17,6 +19,12 @@ class RequestOutput:
     prompt_tokens: int
     num_cached_tokens: int  # prompt tokens served from cache (any tier)
     completion_tokens: int
+    # Requested with SamplingParams.logprobs: one per new token.
+    logprobs: list[TokenLogprob] | None = None
+    # Requested with SamplingParams.prompt_logprobs: one per prompt token (None for the
+    # first), on the request's first output only.
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+    prompt_token_ids: list[int] | None = None  # with prompt_logprobs, for echo
 
 
 @dataclass(slots=True)

@@ -11,6 +11,12 @@ and decodes. The lease keeps its pins until the request is admitted, so no evict
 take the blocks in between; a lease that lapses (sender dead or stalled) gives its
 blocks back.
 
+A lease is taken only if the blocks left afterwards (free or evictable) still let every
+running sequence grow to its longest possible length (prompt + ``max_tokens``): leased
+blocks cannot be preempted, so a lease that ate that room would have the scheduler
+preempt running decodes instead. Without the room the prompt is prefilled here, queued
+by the scheduler like any request, which admits it only when there is room.
+
 Every method runs on the engine's own thread (the worker sends them as commands).
 """
 
@@ -48,6 +54,7 @@ class Reservation:
 class _Reserved:
     hashes: list[int]
     next_block: int
+    token_ids: list[int]  # the prompt's, for the stored events
     request: Request | None = None  # the request that took the blocks over
 
 
@@ -73,6 +80,7 @@ class PDImporter(KVConnector):
         self.lease_ttl_s = lease_ttl_s
         self.leases = LeaseTable()
         self._reserved: dict[str, _Reserved] = {}
+        self._requests: dict[str, Request] = {}  # every request in the engine, by id
 
     @property
     def num_reservations(self) -> int:
@@ -94,12 +102,27 @@ class PDImporter(KVConnector):
         key = _lease_key(lease_id)
         cached = cache.match_prefix(key, hashes)
         remote = prefill_remotely(len(token_ids), cached * block_size, self.pd_config)
+        remote = remote and self._leaves_room_to_grow(num_blocks - cached)
         if not (remote and cache.allocate_slots(key, num_blocks * block_size)):
             cache.free_request(key)  # prefill here; the scheduler queues it
             return Reservation(token_ids, num_blocks, cached, remote=False)
         self.leases.grant(lease_id, now, self.lease_ttl_s)
-        self._reserved[lease_id] = _Reserved(hashes, next_block=cached)
+        self._reserved[lease_id] = _Reserved(hashes, next_block=cached, token_ids=token_ids)
         return Reservation(token_ids, num_blocks, cached, remote=True)
+
+    def growth_blocks(self) -> int:
+        """Blocks the running sequences may still allocate, each up to its longest
+        possible length."""
+        cache = self._cache
+        block_size = cache.block_size
+        return sum(
+            max(0, -(-r.max_num_tokens // block_size) - cache.num_request_blocks(r.request_id))
+            for r in self._requests.values()
+            if r.status is RequestStatus.RUNNING
+        )
+
+    def _leaves_room_to_grow(self, new_blocks: int) -> bool:
+        return self._cache.num_available_blocks - new_blocks >= self.growth_blocks()
 
     def install(self, lease_id: str, first_block: int, blocks: torch.Tensor, now: float) -> None:
         """Write a run of received blocks into the lease's blocks, then commit them."""
@@ -115,7 +138,7 @@ class PDImporter(KVConnector):
         key = _lease_key(lease_id)
         table = self._cache.block_table(key)[first_block:end]
         write_blocks(self._pool, self.layout, table, blocks)
-        self._cache.commit_blocks(key, reserved.hashes[:end])
+        self._cache.commit_blocks(key, reserved.hashes[:end], reserved.token_ids)
         reserved.next_block = end
 
     def release(self, lease_id: str) -> None:
@@ -135,6 +158,7 @@ class PDImporter(KVConnector):
 
     def request_added(self, request: Request) -> None:
         """A request with the id of a reservation takes its blocks over."""
+        self._requests[request.request_id] = request
         reserved = self._reserved.get(request.request_id)
         if reserved is not None:
             self.leases.release(request.request_id)  # no deadline once handed over
@@ -149,6 +173,7 @@ class PDImporter(KVConnector):
         return []
 
     def request_finished(self, request: Request) -> None:
+        self._requests.pop(request.request_id, None)
         reserved = self._reserved.get(request.request_id)
         if reserved is not None and reserved.request is request:
             self.release(request.request_id)

@@ -22,6 +22,7 @@ class SamplingRow:
     params: SamplingParams
     generator: torch.Generator | None  # the request's own, when it has a seed
     suppressed_token_ids: Sequence[int] = ()  # e.g. stop tokens below min_tokens
+    allowed_tokens: torch.Tensor | None = None  # bool [vocab]: a grammar's mask this step
 
 
 def seeded_generator(seed: int, device: torch.device) -> torch.Generator:
@@ -46,6 +47,8 @@ class Sampler:
         for i, row in enumerate(rows):
             if row.suppressed_token_ids:
                 logits[i, list(row.suppressed_token_ids)] = -torch.inf
+            if row.allowed_tokens is not None:
+                logits[i].masked_fill_(~row.allowed_tokens, -torch.inf)
         # max's indices are argmax's (first of ties), and on CPU max is ~2x faster
         chosen = logits.max(dim=-1).indices
         random_rows = [i for i, row in enumerate(rows) if not row.params.greedy]

@@ -63,6 +63,12 @@ class Tokenizer:
         )
         self.vocab_size = self._tokenizer.get_vocab_size(with_added_tokens=True)
 
+    def to_json(self) -> str:
+        """The tokenizer as ``tokenizer.json`` text: what grammar libraries read its
+        vocabulary and byte encoding from."""
+        text: str = self._tokenizer.to_str()
+        return text
+
     def token_to_id(self, token: str | None) -> int | None:
         """The id of a token (special or not), None if the vocabulary lacks it."""
         return None if token is None else self._tokenizer.token_to_id(token)

@@ -18,12 +18,14 @@ from kvserve.core.routing.kv_index import TIERS
 from kvserve.core.routing.policies.kv_aware import KvAwarePolicy
 from kvserve.core.routing.types import WorkerLoad
 from kvserve.router.access import bearer_matches, control_plane_refusal, unauthorized
+from kvserve.router.client_guard import client_limits_middleware, serve
 from kvserve.router.config import RouterConfig
 from kvserve.router.dashboard.data import dashboard_data
 from kvserve.router.dashboard.routes import DashboardRoutes
 from kvserve.router.dashboard.sampler import FleetSampler
 from kvserve.router.errors import openai_error
 from kvserve.router.health import HealthChecker
+from kvserve.router.kv_event_source import KVSERVE_STREAM, parse_kv_event_source
 from kvserve.router.kv_event_subscriber import KVEventSubscriber
 from kvserve.router.load_guard import LoadTracker
 from kvserve.router.metrics import RouterMetrics
@@ -49,8 +51,9 @@ class Router:
         self.metrics = RouterMetrics()
         self.tracker = LoadTracker(on_change=self._load_changed)
         self.registry = WorkerRegistry(config.circuit_breaker)
-        for url in config.worker_urls:
-            self.registry.add(url)
+        self.metrics.show_loads(self._loads_to_show)
+        for url, source in zip(config.worker_urls, config.kv_event_sources(), strict=True):
+            self.registry.add(url, kv_events=source)
         for pool, urls in (("prefill", config.prefill_urls), ("decode", config.decode_urls)):
             for url in urls:
                 self.registry.add(url, pool)
@@ -89,23 +92,33 @@ class Router:
                     self.registry,
                     session,
                     on_worker_info=self.preparer.learn_worker if self.preparer else None,
+                    block_size=self.config.kv_block_size,
                 )
                 tasks.append(asyncio.create_task(self.subscriber.run_forever()))
             if isinstance(self._proxy, PDProxy):  # decode headroom for the pair choice
                 tasks.append(asyncio.create_task(self._proxy.poll_decode_loads_forever()))
             yield
+            self._proxy.upstream.close()
             for task in tasks:
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
 
+    def _loads_to_show(self) -> list[WorkerLoad]:
+        """Every registered worker's held load, and that of removed ones still held."""
+        ids = dict.fromkeys([w.worker_id for w in self.registry.all()])
+        ids.update(dict.fromkeys(self.tracker.held_worker_ids()))
+        return [self.tracker.load(worker_id) for worker_id in ids]
+
     def _load_changed(self, load: WorkerLoad) -> None:
-        """Guards changed: the gauges show it, the policy reorders its workers."""
-        self.metrics.show_load(load)
+        """Guards changed: the policy reorders its workers (the gauges read the tracker)."""
         self.policy.observe_load(load)
 
     def build_app(self) -> web.Application:
-        app = web.Application(client_max_size=self.config.max_request_bytes)
+        app = web.Application(
+            client_max_size=self.config.max_request_bytes,
+            middlewares=[client_limits_middleware(self.config.client_limits)],
+        )
         app.cleanup_ctx.append(self.lifecycle)
         app.add_routes(
             [
@@ -181,11 +194,21 @@ class Router:
 
     def _describe(self, worker: Worker) -> dict[str, object]:
         load = self.tracker.load(worker.worker_id)
-        return {
+        described: dict[str, object] = {
             **worker.describe(),
             "in_flight_requests": load.in_flight_requests,
             "in_flight_prefill_tokens": load.in_flight_prefill_tokens,
         }
+        follower = self.subscriber.zmq_followers.get(worker.worker_id) if self.subscriber else None
+        if follower is not None:  # how its ZMQ stream has gone: gaps, replays, index drops
+            described["kv_events_stream"] = {
+                "next_seq": follower.next_seq,
+                "gaps": follower.gaps,
+                "replays": follower.replays,
+                "drops": follower.drops,
+                "unnamed_blocks": follower.blocks.unnamed_blocks,
+            }
+        return described
 
     async def list_workers(self, _request: web.Request) -> web.Response:
         return _json({"workers": [self._describe(w) for w in self.registry.all()]})
@@ -194,14 +217,19 @@ class Router:
         """Register a worker and check it once, so the answer says whether it takes traffic."""
         try:
             body = orjson.loads(await request.read())
-            worker = self.registry.add(str(body["url"]), str(body.get("pool", "regular")))
-        except (orjson.JSONDecodeError, TypeError, KeyError):
+            url, pool = str(body["url"]), str(body.get("pool", "regular"))
+            source = parse_kv_event_source(str(body.get("kv_events", KVSERVE_STREAM)))
+        except (orjson.JSONDecodeError, TypeError, KeyError, ValueError) as error:
+            detail = f": {error}" if isinstance(error, ValueError) else ""
             return openai_error(
                 400,
-                'expected {"url": "http://host:port"}',
+                'expected {"url": "http://host:port", "kv_events": "kvserve" | '
+                f'"tcp://host:port[?replay=tcp://host:port]"}}{detail}',
                 error_type="invalid_request_error",
                 code="bad_worker",
             )
+        try:
+            worker = self.registry.add(url, pool, source)
         except ValueError as error:
             return openai_error(
                 409, str(error), error_type="invalid_request_error", code="bad_worker"
@@ -259,12 +287,7 @@ def run_router(config: RouterConfig) -> None:
     everything the request holds (see :mod:`kvserve.router.proxy`)."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     _collect_garbage_less_often()
-    web.run_app(
-        Router(config).build_app(),
-        loop=_fast_event_loop(),
-        host=config.host,
-        port=config.port,
-        handler_cancellation=True,
-        access_log=None,
-        print=lambda _: log.info("kvserve router on http://%s:%d", config.host, config.port),
-    )
+    loop = _fast_event_loop() or asyncio.new_event_loop()
+    asyncio.set_event_loop(loop)
+    app = Router(config).build_app()
+    loop.run_until_complete(serve(app, config.host, config.port, config.client_limits))

@@ -32,6 +32,14 @@ class CircuitBreaker:
             self._successes = 0
         return self.state is not BreakerState.OPEN
 
+    def readmit(self) -> None:
+        """The worker came back (healthy again, or restarted): its past failures were the
+        old process's, so trial traffic flows now instead of when ``open_s`` ends."""
+        if self.state is BreakerState.OPEN:
+            self.state = BreakerState.HALF_OPEN
+            self._successes = 0
+        self._failures = 0
+
     def record_success(self) -> None:
         self._failures = 0
         if self.state is BreakerState.HALF_OPEN:

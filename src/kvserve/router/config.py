@@ -8,11 +8,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from kvserve.core.client_limits import ClientLimits
 from kvserve.core.routing.cache_aware import CacheAwareConfig
 from kvserve.core.routing.kv_aware import KvAwareConfig
 from kvserve.core.routing.pd_pair import PDConfig
 from kvserve.core.routing.policies import POLICY_NAMES, make_policy
 from kvserve.core.routing.policy import Policy
+from kvserve.router.kv_event_source import KVEventSource, parse_kv_event_source
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,6 +49,10 @@ class HealthCheckConfig:
 @dataclass(frozen=True, slots=True)
 class RouterConfig:
     worker_urls: tuple[str, ...] = ()
+    # per worker URL, by position: "kvserve" (its HTTP stream) or a ZMQ publisher in
+    # vLLM's format (router/kv_event_source.py); empty: every worker's HTTP stream
+    kv_events: tuple[str, ...] = ()
+    kv_block_size: int | None = None  # ZMQ sources: instead of what their events say
     prefill_urls: tuple[str, ...] = ()  # PD mode (with decode_urls): see router/pd_proxy.py
     decode_urls: tuple[str, ...] = ()
     policy: str = "cache_aware"
@@ -66,6 +72,7 @@ class RouterConfig:
     health: HealthCheckConfig = field(default_factory=HealthCheckConfig)
     request_timeout_s: float = 1800.0
     max_request_bytes: int = 32 * 1024 * 1024
+    client_limits: ClientLimits = field(default_factory=ClientLimits)  # slow or greedy clients
     chars_per_token: float = 4.0  # prefill estimate without a tokenizer
     seed: int | None = None  # for the random policies; None: seeded from the OS
 
@@ -76,6 +83,20 @@ class RouterConfig:
             raise ValueError("request timeout and size limit must be positive")
         if self.prefill_urls and not self.decode_urls:
             raise ValueError("prefill workers need decode workers (--decode)")
+        if self.kv_events and len(self.kv_events) != len(self.worker_urls):
+            raise ValueError(
+                f"{len(self.kv_events)} --kv-events for {len(self.worker_urls)} --worker-urls: "
+                "give one per worker, in the same order"
+            )
+        self.kv_event_sources()  # raises ValueError on a malformed one
+        if self.kv_block_size is not None and self.kv_block_size <= 0:
+            raise ValueError("--kv-block-size must be positive")
+
+    def kv_event_sources(self) -> tuple[KVEventSource, ...]:
+        """Each worker URL's event source, by position."""
+        if not self.kv_events:
+            return (None,) * len(self.worker_urls)
+        return tuple(parse_kv_event_source(value) for value in self.kv_events)
 
     @property
     def pd_mode(self) -> bool:

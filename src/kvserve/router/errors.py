@@ -16,10 +16,13 @@ def openai_error(
     code: str | None = None,
     headers: Mapping[str, str] | None = None,
 ) -> web.Response:
+    """``headers`` may be those gathered for an answer that then failed (the worker's
+    content type included): the error body is JSON whatever they said."""
     body = {"error": {"message": message, "type": error_type, "param": None, "code": code}}
+    kept = {k: v for k, v in (headers or {}).items() if k.lower() != "content-type"}
     return web.Response(
         status=status,
         body=orjson.dumps(body),
         content_type="application/json",
-        headers=headers,
+        headers=kept,
     )

@@ -1,8 +1,12 @@
 """Periodic health checks: a worker that stops answering is skipped until it answers again.
 
-Every worker is checked each ``interval_s`` (60 s by default, as the gateways do); a worker
-that has never answered OK, e.g. one still loading its model when the router started, is
-checked every second so that it takes traffic as soon as it is up.
+Every worker is checked each ``interval_s`` (60 s by default, as the gateways do); a
+*suspect* worker (never OK yet, e.g. still loading its model; unhealthy; its last check
+failed; its breaker not closed) is checked every second, so that a dead or hung worker is
+taken out, and a returning one readmitted, within seconds. A kvserve worker's ``/health``
+names its process (``instance``): a new name means the worker restarted, which is
+counted (``kvserve_router_worker_restarts``) and readmits it at once. A worker taken
+out has the attempts still waiting for its answer retried elsewhere (``taken_out.py``).
 """
 
 from __future__ import annotations
@@ -11,14 +15,27 @@ import asyncio
 import logging
 
 import aiohttp
+import orjson
 
 from kvserve.router.config import HealthCheckConfig
 from kvserve.router.metrics import RouterMetrics
+from kvserve.router.taken_out import take_out
 from kvserve.router.worker_registry import Worker, WorkerRegistry
 
 log = logging.getLogger(__name__)
 
 STARTING_PROBE_INTERVAL_S = 1.0
+
+
+def _instance(body: bytes) -> str | None:
+    """The ``instance`` a ``/health`` body names, if it is JSON that names one (a server
+    other than kvserve's worker may answer anything)."""
+    try:
+        payload = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        return None
+    instance = payload.get("instance") if isinstance(payload, dict) else None
+    return instance if isinstance(instance, str) else None
 
 
 class HealthChecker:
@@ -42,8 +59,12 @@ class HealthChecker:
                 timeout=aiohttp.ClientTimeout(total=self._config.timeout_s),
             ) as response:
                 ok = response.status == 200
+                instance = _instance(await response.read()) if ok else None
         except (aiohttp.ClientError, TimeoutError):
-            ok = False
+            ok, instance = False, None
+        if instance is not None and worker.record_instance(instance):
+            log.warning("worker %s (%s) restarted", worker.worker_id, worker.url)
+            self._metrics.worker_restarts.labels(worker.worker_id).inc()
         if worker.record_health(ok, self._config):
             log.warning(
                 "worker %s (%s) is now %s",
@@ -51,13 +72,15 @@ class HealthChecker:
                 worker.url,
                 "healthy" if worker.healthy else "unhealthy",
             )
+            if not worker.healthy and (cancelled := take_out(worker)):
+                log.warning("retrying %d requests waiting on %s elsewhere", cancelled, worker.url)
         self._metrics.worker_healthy.labels(worker.worker_id).set(1 if worker.healthy else 0)
         return ok
 
-    async def probe_all(self, *, starting_only: bool = False) -> None:
+    async def probe_all(self, *, suspect_only: bool = False) -> None:
         workers = self._registry.all()
-        if starting_only:
-            workers = [w for w in workers if not w.ever_healthy]
+        if suspect_only:
+            workers = [w for w in workers if w.suspect]
         await asyncio.gather(*(self.probe(w) for w in workers))
 
     async def run_forever(self) -> None:
@@ -69,4 +92,4 @@ class HealthChecker:
             full = loop.time() - last_full >= self._config.interval_s - step / 2
             if full:
                 last_full = loop.time()
-            await self.probe_all(starting_only=not full)
+            await self.probe_all(suspect_only=not full)

@@ -11,6 +11,11 @@ are followed, removed ones forgotten (the policy's state and the task). The poli
 each snapshot's tiers (``observe_snapshot``) and each poll's events, in order
 (``observe_events``): the calls the simulator makes for its simulated workers.
 Wire format: docs/internals.md, "Worker KV events API".
+
+A worker registered with a ZMQ event source (``--kv-events tcp://...``: vLLM, SGLang, or
+a kvserve worker's ``--kv-events-publisher``) is followed by a
+:class:`~kvserve.router.zmq_kv_follower.ZmqKVFollower` instead; its served models come
+from ``/v1/models`` and its block size from its events (or ``block_size``, when given).
 """
 
 from __future__ import annotations
@@ -23,11 +28,13 @@ from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
+import zmq.asyncio
 
 from kvserve.core.kv_events import KVEvent
 from kvserve.core.routing.kv_index import TIERS
 from kvserve.core.routing.policy import Policy
 from kvserve.router.worker_registry import Worker, WorkerRegistry
+from kvserve.router.zmq_kv_follower import ZmqKVFollower
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +71,7 @@ class KVEventSubscriber:
         batch_s: float = 0.05,
         reconcile_s: float = 1.0,
         retry_s: float = 0.5,
+        block_size: int | None = None,
     ) -> None:
         self._policy = policy
         self._registry = registry
@@ -73,7 +81,10 @@ class KVEventSubscriber:
         self._batch_s = batch_s
         self._reconcile_s = reconcile_s
         self._retry_s = retry_s
+        self._block_size = block_size  # overrides what ZMQ events say
         self._tasks: dict[str, asyncio.Task[None]] = {}
+        self._zmq_context: zmq.asyncio.Context | None = None
+        self.zmq_followers: dict[str, ZmqKVFollower] = {}
         self.last_seq: dict[str, int] = {}
         self.resyncs: dict[str, int] = {}
 
@@ -92,9 +103,11 @@ class KVEventSubscriber:
             self._tasks.pop(worker_id).cancel()
             self._policy.forget_worker(worker_id)
             self.last_seq.pop(worker_id, None)
+            self.zmq_followers.pop(worker_id, None)
         for worker_id, worker in current.items():
             if worker_id not in self._tasks:
-                self._tasks[worker_id] = asyncio.create_task(self._follow(worker))
+                follow = self._follow if worker.kv_events is None else self._follow_zmq
+                self._tasks[worker_id] = asyncio.create_task(follow(worker))
 
     async def stop(self) -> None:
         tasks = list(self._tasks.values())
@@ -104,6 +117,9 @@ class KVEventSubscriber:
         for task in tasks:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
+        if self._zmq_context is not None:
+            self._zmq_context.term()
+            self._zmq_context = None
 
     async def _follow(self, worker: Worker) -> None:
         while True:
@@ -116,6 +132,40 @@ class KVEventSubscriber:
             except (aiohttp.ClientError, TimeoutError, ValueError, KeyError) as error:
                 log.debug("kv events of %s: %s; retrying", worker.worker_id, error)
                 await asyncio.sleep(self._retry_s)
+
+    async def _follow_zmq(self, worker: Worker) -> None:
+        """A ZMQ publisher's events, once the worker says which model it serves (the
+        namespace of its blocks): asked again until it answers."""
+        while True:
+            try:
+                answer = await self._get(worker, "/v1/models", 0.0)
+                models = tuple(str(m["id"]) for m in answer["data"])
+                if models:
+                    break
+            except (aiohttp.ClientError, TimeoutError, ValueError, KeyError, _Resync) as error:
+                log.debug("models of %s: %s; retrying", worker.worker_id, error)
+            await asyncio.sleep(self._retry_s)
+
+        def learned(block_size: int) -> None:
+            if self._on_worker_info is not None:
+                self._on_worker_info(worker.worker_id, WorkerKVInfo(models, block_size))
+
+        assert worker.kv_events is not None
+        if self._zmq_context is None:
+            self._zmq_context = zmq.asyncio.Context()
+        follower = ZmqKVFollower(
+            worker.worker_id,
+            worker.kv_events,
+            self._policy,
+            self._zmq_context,
+            models[0],
+            on_block_size=None if self._block_size is not None else learned,
+            block_size=self._block_size,
+        )
+        self.zmq_followers[worker.worker_id] = follower
+        if self._block_size is not None:
+            learned(self._block_size)
+        await follower.run()
 
     async def _get(self, worker: Worker, path: str, timeout_s: float) -> Any:
         timeout = aiohttp.ClientTimeout(total=timeout_s + 5.0)

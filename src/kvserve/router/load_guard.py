@@ -38,6 +38,10 @@ class LoadTracker:
             self._prefill_tokens.get(worker_id, 0),
         )
 
+    def held_worker_ids(self) -> list[str]:
+        """The workers some live guard holds load on (removed workers included)."""
+        return list(self._requests)
+
     def total_held(self) -> WorkerLoad:
         """Everything held on all workers; zero whenever the router is idle."""
         return WorkerLoad("*", sum(self._requests.values()), sum(self._prefill_tokens.values()))

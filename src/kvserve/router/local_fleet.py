@@ -27,6 +27,8 @@ import urllib.request
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
+from kvserve.router.restart_backoff import RestartBackoff, RestartPlan, RestartPolicy
+
 KVSERVE_COMMAND = (sys.executable, "-c", "from kvserve.cli import main; main()")
 
 
@@ -51,6 +53,13 @@ def _terminate_with_parent() -> Callable[[], None] | None:
     return set_parent_death_signal
 
 
+# A local fleet's workers are on loopback, where a health check costs next to nothing and
+# a healthy worker answers in milliseconds: checking every 2 s (not the router's default
+# 60 s) with a 2 s timeout (not 5 s) notices a dead, hung or restarted worker in seconds.
+_LOCAL_HEALTH_CHECKS = ("--health-check-interval", "2", "--health-check-timeout", "2")
+_RESTARTS = RestartPolicy()
+
+
 class StartError(RuntimeError):
     """A process exited or stayed unhealthy while starting."""
 
@@ -67,6 +76,7 @@ class ServerProcess:
         log_path: Path | None = None,
         env: Mapping[str, str] | None = None,
         cwd: Path | None = None,
+        append_log: bool = False,
     ) -> None:
         self.args = list(args)
         self.url = url
@@ -76,7 +86,9 @@ class ServerProcess:
             os.close(handle)
             log_path = Path(raw_path)
         self.log_path = log_path
-        with self.log_path.open("wb") as log:
+        self._env = env
+        self._cwd = cwd
+        with self.log_path.open("ab" if append_log else "wb") as log:
             self.process = subprocess.Popen(
                 self.args,
                 stdout=log,
@@ -86,6 +98,27 @@ class ServerProcess:
                 start_new_session=True,
                 preexec_fn=_terminate_with_parent(),
             )
+        self.started_at = time.monotonic()
+
+    def respawn(self) -> ServerProcess:
+        """The same server started again (same command, URL and log, which it appends to,
+        so the log of the run that died stays readable)."""
+        return ServerProcess(
+            self.args,
+            self.url,
+            name=self.name,
+            log_path=self.log_path,
+            env=self._env,
+            cwd=self._cwd,
+            append_log=True,
+        )
+
+    def exit_reason(self) -> str:
+        """How the process ended, e.g. ``killed by SIGKILL`` or ``exit code 1``."""
+        code = self.process.returncode
+        if code is not None and code < 0:
+            return f"killed by {signal.Signals(-code).name}"
+        return f"exit code {code}"
 
     def alive(self) -> bool:
         return self.process.poll() is None
@@ -193,7 +226,7 @@ class LocalFleet:
         self._host = host
         self._port = port
         self.log_dir = log_dir
-        self.processes: list[ServerProcess] = []
+        self.processes: list[ServerProcess] = []  # replaced in place when restarted
 
     @property
     def url(self) -> str:
@@ -216,7 +249,7 @@ class LocalFleet:
             for worker in workers:
                 worker.wait_healthy(timeout_s)
             args = [*KVSERVE_COMMAND, "router", "--policy", self._policy, "--host", self._host]
-            args += ["--port", str(self._port)]
+            args += ["--port", str(self._port), *_LOCAL_HEALTH_CHECKS]
             if self._api_key is not None:
                 args += ["--api-key", self._api_key, "--worker-api-key", self._api_key]
             if self._policy == "kv_aware":  # workers serve a model name, not the folder
@@ -228,13 +261,44 @@ class LocalFleet:
             self.stop()
             raise
 
-    def wait_for_exit(self, poll_s: float = 0.5) -> ServerProcess:
-        """Block until some process of the fleet exits (it should not); return it."""
+    def supervise(
+        self,
+        report: Callable[[str], None],
+        policy: RestartPolicy = _RESTARTS,
+        poll_s: float = 0.1,
+    ) -> ServerProcess:
+        """Keep the workers running until the router exits; return the router.
+
+        A worker that exits is started again on its own port after the backoff of
+        :class:`RestartBackoff` (the router's health checks readmit it once it answers);
+        each exit, restart and crash loop is reported. Interrupt it (Ctrl-C, SIGTERM) to
+        stop; then call :meth:`stop`.
+        """
+        backoffs = {p.name: RestartBackoff(policy) for p in self.processes if p.name != "router"}
+        due: dict[str, tuple[float, ServerProcess]] = {}  # dead workers and when to restart
         while True:
-            for process in self.processes:
+            now = time.monotonic()
+            for index, process in enumerate(self.processes):
+                if process.name == "router":
+                    if not process.alive():
+                        return process
+                    continue
+                if process.name in due:
+                    restart_at, dead = due[process.name]
+                    if now >= restart_at:
+                        del due[process.name]
+                        self.processes[index] = dead.respawn()
+                        report(self.started_line(self.processes[index]))
+                    continue
                 if not process.alive():
-                    return process
+                    plan = backoffs[process.name].on_exit(now - process.started_at)
+                    due[process.name] = (now + plan.delay_s, process)
+                    report(_exit_report(process, plan))
             time.sleep(poll_s)
+
+    def started_line(self, process: ServerProcess) -> str:
+        """Where a process runs, for the operator (and for ``kill``)."""
+        return f"{process.name} started (pid {process.process.pid}) on {process.url}"
 
     def stop(self, timeout_s: float = 15.0) -> None:
         """The router first (no new requests), then all workers at once."""
@@ -253,3 +317,17 @@ class LocalFleet:
         )
         self.processes.append(process)
         return process
+
+
+def _exit_report(process: ServerProcess, plan: RestartPlan) -> str:
+    """One line per death; a crash loop's also carries the log's tail, each time."""
+    line = (
+        f"{process.name} exited ({process.exit_reason()}); restart {plan.restarts} "
+        f"in {plan.delay_s:.1f}s on {process.url}"
+    )
+    if not plan.crash_loop:
+        return line
+    return (
+        f"{line}\n{process.name} is crash-looping ({plan.quick_deaths} quick exits in a row); "
+        f"its log ({process.log_path}) ends:\n{process.log_tail()}"
+    )

@@ -15,8 +15,11 @@ Responses name the decode worker in ``x-kvserve-worker``, relay its ``x-kvserve-
 (``remote``), name that worker in ``x-kvserve-prefill-worker``.
 
 Guards: the prefill worker's (one request + the prompt's prefill tokens) is released when
-prefill ends, i.e. at the first response byte; the decode worker's (one request) when the
-response ends. Both are released on every path through the base proxy's ``finally``.
+the prefill worker is done, i.e. when the decode worker's response headers come: it sends
+them only once the KV is installed (``remote``) or the transfer was given up
+(``fallback``); at the latest it goes with the first token. The decode worker's (one
+request) when the response ends. Both are released on every path through the base
+proxy's ``finally``.
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ from kvserve.router.load_guard import Guard, LoadGuard, LoadTracker
 from kvserve.router.metrics import RouterMetrics
 from kvserve.router.prompt_preparer import PromptPreparer
 from kvserve.router.proxy import Proxy
+from kvserve.router.upstream_client import UpstreamResponse
 from kvserve.router.worker_registry import Worker, WorkerRegistry
 
 PREFILL_HEADER = "x-kvserve-prefill"
@@ -62,10 +66,15 @@ class PairGuard:
         return self._decode.prefill_released
 
     def release_prefill(self) -> None:
-        """The first byte came: the prefill worker's part is over."""
+        """The first token came: the prefill worker's part is over, and so is any prefill
+        work the decode worker did itself."""
+        self.release_prefill_worker()
+        self._decode.release_prefill()
+
+    def release_prefill_worker(self) -> None:
+        """The prefill worker's part is over (its KV is installed, or it was given up)."""
         if self._prefill is not None:
             self._prefill.release()
-        self._decode.release_prefill()
 
     def release(self) -> None:
         if self._prefill is not None:
@@ -132,9 +141,7 @@ class PDProxy(Proxy):
             headers[PREFILL_HEADER] = prefill.url
         return worker.url + "/pd" + request.path, headers
 
-    def _served_by(
-        self, decision: RoutingDecision, upstream: aiohttp.ClientResponse
-    ) -> dict[str, str]:
+    def _served_by(self, decision: RoutingDecision, upstream: UpstreamResponse) -> dict[str, str]:
         """The decode worker's word on how the prompt was prefilled, and the prefill worker
         when its KV was used (not when the decode worker fell back to prefilling itself)."""
         path = upstream.headers.get(PATH_HEADER)
@@ -145,11 +152,18 @@ class PDProxy(Proxy):
             return {PATH_HEADER: path, PREFILL_WORKER_HEADER: prefill_id}
         return {PATH_HEADER: path}
 
+    def _headers_arrived(self, guard: Guard, upstream: UpstreamResponse) -> None:
+        """The decode worker answers only once it stopped waiting for the prefill worker."""
+        if upstream.headers.get(PATH_HEADER) in ("remote", "fallback") and isinstance(
+            guard, PairGuard
+        ):
+            guard.release_prefill_worker()
+
     # -- decode headroom -------------------------------------------------------------
 
     async def poll_decode_loads_forever(self) -> None:
-        """Keep each decode worker's KV headroom fresh: free plus cached blocks (cached
-        ones are evictable unless a running request pins them) over all, from ``/load``."""
+        """Keep each decode worker's KV headroom fresh: free plus evictable blocks (cached
+        ones no request pins) over all, from ``/load``."""
         timeout = aiohttp.ClientTimeout(total=self._config.health.timeout_s)
         while True:
             decodes = [w for w in self._registry.all() if w.pool == DECODE_POOL]
@@ -161,7 +175,7 @@ class PDProxy(Proxy):
             async with self._session.get(worker.url + "/load", timeout=timeout) as response:
                 load = await response.json()
             total = int(load["total_blocks"])
-            reclaimable = int(load["free_blocks"]) + int(load["cached_blocks"])
+            reclaimable = int(load["free_blocks"]) + int(load["evictable_blocks"])
             self._free_fraction[worker.worker_id] = reclaimable / total if total else 0.0
 
     def forget_worker(self, worker_id: str) -> None:

@@ -1,8 +1,8 @@
 """The prompt tokens a worker will compute for an OpenAI request, and their block hashes.
 
 The router loads the model's tokenizer and chat template (torch-free) and renders a
-request exactly as the worker does (:mod:`kvserve.worker.openai_api`): chat messages as
-``{"role", "content"}`` with the text parts joined, through the template with the
+request exactly as the worker does (:mod:`kvserve.worker.openai_api`): chat messages and
+tools as :mod:`kvserve.model_folder.chat_request` gives them to the template, with the
 generation prompt; a completion prompt encoded with the tokenizer's special tokens, or
 taken as token ids. The hashes are then the engine's own chain over the model's
 namespace, so the router's view of every worker's cache is exact.
@@ -19,17 +19,11 @@ import jinja2
 
 from kvserve.core.hashing import block_hashes, make_namespace
 from kvserve.core.routing.types import PromptBlocks
+from kvserve.model_folder.chat_request import template_message, template_tools
 from kvserve.model_folder.chat_template import ChatTemplateError
 from kvserve.model_folder.errors import ModelLoadError
 from kvserve.model_folder.tokenizer import Tokenizer
-
-
-def _message_text(content: Any) -> str:
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        return "".join(p.get("text", "") for p in content if isinstance(p, dict))
-    return ""
+from kvserve.router.route_query import completion_prompts
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,18 +58,18 @@ class PromptHasher:
         messages = body.get("messages")
         try:
             if isinstance(messages, list):
-                chat = [
-                    {"role": m.get("role"), "content": _message_text(m.get("content"))}
-                    for m in messages
-                    if isinstance(m, dict)
-                ]
-                return _PromptText(self.tokenizer.apply_chat_template(chat), False)
+                chat = [template_message(m) for m in messages if isinstance(m, dict)]
+                text = self.tokenizer.apply_chat_template(
+                    chat, tools=template_tools(body.get("tools"))
+                )
+                return _PromptText(text, False)
         except (ChatTemplateError, jinja2.TemplateError):
             return None
-        prompt = body.get("prompt")
+        prompts = completion_prompts(body)  # a list of prompts is routed on its first
+        prompt = prompts[0] if prompts else None
         if isinstance(prompt, str):
             return _PromptText(prompt, True)
-        if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+        if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
             return prompt
         return None
 
@@ -105,10 +99,16 @@ class PromptHasher:
 def prompt_blocks(
     body: Mapping[str, Any], tokens: list[int] | None, block_size: int
 ) -> PromptBlocks | None:
-    """The reusable block hashes of a body's prompt tokens, in its model's namespace."""
+    """The reusable block hashes of a body's prompt tokens, in its model's namespace.
+
+    A ``cache_salt`` (vLLM's field: tenants that must not share cached prefixes) joins
+    the namespace, as it joins a vLLM engine's block hashes. kvserve's engine ignores
+    the field, so over kvserve workers a salted prompt is predicted to miss."""
     if not tokens:
         return None
-    model = body.get("model")
-    namespace = make_namespace(model if isinstance(model, str) else "")
+    model, salt = body.get("model"), body.get("cache_salt")
+    namespace = make_namespace(
+        model if isinstance(model, str) else "", None, salt if isinstance(salt, str) else None
+    )
     reusable = tokens[: (len(tokens) - 1) // block_size * block_size]
     return PromptBlocks(len(tokens), block_hashes(reusable, block_size, namespace), block_size)

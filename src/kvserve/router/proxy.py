@@ -3,7 +3,9 @@
 Retries happen only before a byte has reached the client (a retryable status or an
 unreachable worker), on a worker not tried yet when there is one. Streams are relayed as
 the bytes arrive, never re-encoded. Every attempt's load guard is released in a
-``finally``, so no exit path (including cancellation on client disconnect) leaks load.
+``finally``, so no exit path (including cancellation on client disconnect) leaks load;
+an attempt that ends before its first token also has the policy take back what its
+decision recorded (``Policy.undo``), before any retry selects again.
 """
 
 from __future__ import annotations
@@ -28,10 +30,15 @@ from kvserve.router.metrics import RouterMetrics
 from kvserve.router.prompt_preparer import PromptPreparer
 from kvserve.router.retry import RETRYABLE_STATUSES, backoff_delays
 from kvserve.router.route_query import build_route_query
-from kvserve.router.usage import StreamUsageReader, cached_tokens_in_body
+from kvserve.router.taken_out import AnswerWatch
+from kvserve.router.upstream_client import UpstreamClient, UpstreamResponse
+from kvserve.router.usage import StreamUsageReader, cached_tokens_in, is_error, json_body
 from kvserve.router.worker_registry import Worker, WorkerRegistry
 
 _FORWARDED_REQUEST_HEADERS = ("Accept", "X-Request-Id")
+# Asks a worker to send a non-streamed answer's headers with its first token, and marks
+# the answers that were (see ``kvserve.worker.generation``): prefill is over then.
+FIRST_TOKEN_HEADER = "x-kvserve-first-token"
 
 # Policies whose matched fraction is read from the workers' own KV events: what they
 # predict cached is left out of the prefill work a guard holds. The approximate policies'
@@ -79,7 +86,8 @@ class Proxy:
         self._clock = clock
         self._preparer = preparer
         self._rng = random.Random(config.seed)
-        self._timeout = aiohttp.ClientTimeout(total=config.request_timeout_s)
+        # Proxied requests go through the lean client; ``session`` serves the rest.
+        self.upstream = UpstreamClient(config.worker_headers(), config.request_timeout_s)
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
         try:
@@ -152,10 +160,15 @@ class Proxy:
         )
         url, headers = self._upstream(request, worker, decision)
         try:
-            async with self._session.post(
-                url, data=raw, headers=headers, timeout=self._timeout
-            ) as upstream:
+            async with (
+                AnswerWatch(worker) as watch,
+                self.upstream.post(url, data=raw, headers=headers) as upstream,
+            ):
                 attempt.headers |= self._served_by(decision, upstream)
+                self._headers_arrived(attempt.guard, upstream)
+                first_token_sent = upstream.headers.get(FIRST_TOKEN_HEADER) == "1"
+                if first_token_sent:
+                    self._first_byte(attempt)
                 if upstream.status == 401 and not self._passes_client_key:
                     await upstream.read()
                     return self._worker_refused_key(attempt)
@@ -169,10 +182,19 @@ class Proxy:
                     "Content-Type", "application/json"
                 )
                 if upstream.content_type == "text/event-stream":
+                    watch.disarm()  # bytes reach the client from here: slow, maybe, not hung
                     return await self._relay_stream(request, upstream, attempt)
                 payload = await upstream.read()
-                self._first_byte(attempt)
-                self._finish(attempt, upstream.status, cached_tokens_in_body(payload))
+                answer = json_body(payload)
+                if first_token_sent and is_error(answer):
+                    # The worker failed after its headers left: the status it could not send.
+                    self._record_failure(worker, "status_503")
+                    return _RetryableFailure(
+                        web.Response(status=503, body=payload, headers=attempt.headers)
+                    )
+                if not first_token_sent and upstream.status < 400:
+                    self._first_byte(attempt)
+                self._finish(attempt, upstream.status, cached_tokens_in(answer))
                 return web.Response(status=upstream.status, body=payload, headers=attempt.headers)
         except TimeoutError:
             self._record_failure(worker, "timeout")
@@ -195,6 +217,8 @@ class Proxy:
                 )
             )
         finally:
+            if not attempt.guard.prefill_released:  # no first token: nothing computed there
+                self._policy.undo(decision, self._clock())
             attempt.guard.release()
 
     def _acquire(self, worker: Worker, query: RouteQuery, decision: RoutingDecision) -> Guard:
@@ -207,15 +231,16 @@ class Proxy:
         """Where the attempt goes and with which headers."""
         return worker.url + request.path, self._upstream_headers(request)
 
-    def _served_by(
-        self, decision: RoutingDecision, upstream: aiohttp.ClientResponse
-    ) -> dict[str, str]:
+    def _served_by(self, decision: RoutingDecision, upstream: UpstreamResponse) -> dict[str, str]:
         """Response headers naming the workers that served the attempt, beyond
         ``x-kvserve-worker`` (PD mode adds the prefill worker's)."""
         return {}
 
+    def _headers_arrived(self, guard: Guard, upstream: UpstreamResponse) -> None:
+        """The worker's response headers came (PD mode: the prefill worker is done)."""
+
     async def _relay_stream(
-        self, request: web.Request, upstream: aiohttp.ClientResponse, attempt: _Attempt
+        self, request: web.Request, upstream: UpstreamResponse, attempt: _Attempt
     ) -> web.StreamResponse:
         """Relay SSE bytes as they come; from here on, nothing can be retried."""
         attempt.headers["Cache-Control"] = "no-cache"
@@ -308,6 +333,7 @@ class Proxy:
         """The body parsed as JSON, so say so even when the client did not (``curl -d``)."""
         present = (k for k in _FORWARDED_REQUEST_HEADERS if k in request.headers)
         headers = {"Content-Type": "application/json"} | {k: request.headers[k] for k in present}
+        headers[FIRST_TOKEN_HEADER] = "headers"  # a streamed request's first byte says it
         if self._passes_client_key and "Authorization" in request.headers:
             headers["Authorization"] = request.headers["Authorization"]  # the backend's key
         return headers  # else the session sends --worker-api-key, if any

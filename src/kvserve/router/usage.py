@@ -21,11 +21,21 @@ def cached_tokens_in(payload: Any) -> int | None:
     return cached if isinstance(cached, int) else None
 
 
-def cached_tokens_in_body(body: bytes) -> int | None:
+def json_body(body: bytes) -> Any:
+    """A response body parsed, or None if it is not JSON."""
     try:
-        return cached_tokens_in(orjson.loads(body))
+        return orjson.loads(body)
     except orjson.JSONDecodeError:
         return None
+
+
+def cached_tokens_in_body(body: bytes) -> int | None:
+    return cached_tokens_in(json_body(body))
+
+
+def is_error(payload: Any) -> bool:
+    """Whether a parsed answer is an OpenAI error body rather than a completion."""
+    return isinstance(payload, dict) and "error" in payload
 
 
 class StreamUsageReader:

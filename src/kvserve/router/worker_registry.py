@@ -4,9 +4,14 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-from kvserve.router.circuit_breaker import CircuitBreaker
+from kvserve.router.circuit_breaker import BreakerState, CircuitBreaker
 from kvserve.router.config import CircuitBreakerConfig, HealthCheckConfig
+from kvserve.router.kv_event_source import KVEventSource, describe
+
+if TYPE_CHECKING:
+    from kvserve.router.taken_out import AnswerWatch
 
 
 @dataclass
@@ -17,37 +22,65 @@ class Worker:
     url: str
     breaker: CircuitBreaker
     pool: str = "regular"
+    kv_events: KVEventSource = None  # None: the worker's HTTP stream
     healthy: bool | None = None
     ever_healthy: bool = False  # False while it may still be starting up
+    instance: str | None = None  # the process its /health last named, if it names one
+    # Attempts waiting for its answer's headers (see router/taken_out.py).
+    waiting_for_answer: set[AnswerWatch] = field(default_factory=set, repr=False)
     _streak_ok: int = field(default=0, repr=False)
     _streak_failed: int = field(default=0, repr=False)
 
     def accepts_traffic(self, now: float) -> bool:
         return bool(self.healthy) and self.breaker.allows(now)
 
+    @property
+    def suspect(self) -> bool:
+        """Whether its state may be about to change: never healthy yet, unhealthy, its
+        last check failed, or its breaker is not closed. The health checker checks such a
+        worker every second, not every interval, to notice a death or a return quickly."""
+        return (
+            not self.healthy
+            or self._streak_failed > 0
+            or self.breaker.state is not BreakerState.CLOSED
+        )
+
     def record_health(self, ok: bool, config: HealthCheckConfig) -> bool:
         """Count a health check; returns whether the worker's health changed.
 
         The first answer decides at once, and so does the first OK of a worker that was
         never healthy (a new or still-starting worker takes traffic as soon as it is up);
-        afterwards it takes ``failure_threshold`` / ``success_threshold`` in a row.
+        afterwards it takes ``failure_threshold`` / ``success_threshold`` in a row. A
+        worker healthy again has its breaker readmit it.
         """
         before = self.healthy
         if ok:
             self._streak_ok, self._streak_failed = self._streak_ok + 1, 0
             if not self.ever_healthy or self._streak_ok >= config.success_threshold:
                 self.healthy = self.ever_healthy = True
+            if before is False and self.healthy:
+                self.breaker.readmit()
         else:
             self._streak_ok, self._streak_failed = 0, self._streak_failed + 1
             if self.healthy is None or self._streak_failed >= config.failure_threshold:
                 self.healthy = False
         return before != self.healthy
 
+    def record_instance(self, instance: str) -> bool:
+        """The instance its ``/health`` named; returns whether it restarted since the last
+        one (its breaker then readmits it: the failures were the old process's)."""
+        restarted = self.instance is not None and instance != self.instance
+        self.instance = instance
+        if restarted:
+            self.breaker.readmit()
+        return restarted
+
     def describe(self) -> dict[str, object]:
         return {
             "id": self.worker_id,
             "url": self.url,
             "pool": self.pool,
+            "kv_events": describe(self.kv_events),
             "healthy": self.healthy,
             "circuit": self.breaker.state.value,
         }
@@ -61,13 +94,14 @@ class WorkerRegistry:
         self._workers: dict[str, Worker] = {}
         self._next_index = 0
 
-    def add(self, url: str, pool: str = "regular") -> Worker:
+    def add(self, url: str, pool: str = "regular", kv_events: KVEventSource = None) -> Worker:
         url = url.rstrip("/")
         if not url.startswith(("http://", "https://")):
             raise ValueError(f"worker URL must start with http:// or https://: {url!r}")
         if any(w.url == url for w in self._workers.values()):
             raise ValueError(f"worker {url} is already registered")
-        worker = Worker(f"w{self._next_index}", url, CircuitBreaker(self._breaker_config), pool)
+        breaker = CircuitBreaker(self._breaker_config)
+        worker = Worker(f"w{self._next_index}", url, breaker, pool, kv_events)
         self._next_index += 1
         self._workers[worker.worker_id] = worker
         return worker

@@ -12,8 +12,11 @@ own work for a short generation.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import math
 import time
+import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager, nullcontext
 from typing import Any
@@ -35,6 +38,7 @@ from kvserve.worker.json_response import JSONResponse
 from kvserve.worker.metrics import WorkerMetrics
 from kvserve.worker.openai_api import GenerationRoutes, OpenAIEndpoints, build_openai_router
 from kvserve.worker.pd_api import PDService
+from kvserve.worker.vllm_kv_publisher import VllmKVPublisher
 from kvserve.worker.worker_header import WorkerHeaderMiddleware
 
 
@@ -44,14 +48,37 @@ def build_app(config: WorkerConfig, engine: Any) -> ASGIApp:
     metrics = WorkerMetrics(lambda: bridge.state)
     worker_id = config.resolved_worker_id
     pd = PDService(config, bridge, metrics) if config.role != "mixed" else None
+    instance = uuid.uuid4().hex  # a router sees a new one when this worker restarted
+
+    if config.kv_events_publisher is not None:
+        engine.events.record_tokens = True  # BlockStored carries the blocks' tokens
+    publisher = (
+        VllmKVPublisher(
+            bridge,
+            config.kv_events_publisher,
+            config.block_size,
+            replay_endpoint=config.kv_events_replay,
+        )
+        if config.kv_events_publisher is not None
+        else None
+    )
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        if publisher is not None:
+            publisher.open()  # a taken port fails the start here
         bridge.start()
+        publishing = asyncio.create_task(publisher.run()) if publisher else None
         try:
             async with pd.serving() if pd else nullcontext():
                 yield
         finally:
+            if publishing is not None:
+                publishing.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await publishing
+            if publisher is not None:
+                publisher.close()
             await bridge.shutdown()
 
     app = FastAPI(title="kvserve worker", lifespan=lifespan, default_response_class=JSONResponse)
@@ -73,6 +100,7 @@ def build_app(config: WorkerConfig, engine: Any) -> ASGIApp:
                 "worker_id": worker_id,
                 "role": config.role,
                 "model": endpoints.model_name,
+                "instance": instance,
             }
         )
 
@@ -104,7 +132,11 @@ def build_app(config: WorkerConfig, engine: Any) -> ASGIApp:
             raise APIError(500, f"KV cache invariant broken: {exc}", code="ledger_broken") from exc
         return JSONResponse({"ok": True})
 
-    served: ASGIApp = BodyLimitMiddleware(GenerationRoutes(app, endpoints), config.max_body_bytes)
+    served: ASGIApp = BodyLimitMiddleware(
+        GenerationRoutes(app, endpoints),
+        config.max_body_bytes,
+        config.client_limits.body_timeout_s,
+    )
     if config.api_key is not None:
         served = APIKeyMiddleware(
             served, config.api_key, metrics_without_key=config.metrics_without_key

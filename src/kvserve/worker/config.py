@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal, TypeGuard, get_args
 
+from kvserve.core.client_limits import ClientLimits
 from kvserve.core.routing.pd_pair import PDConfig
 from kvserve.engine.kv_tier_config import KVTierConfig
 
@@ -42,6 +43,8 @@ class WorkerConfig:
     model_name: str | None = None
     # Prompts of 100k+ tokens as JSON token ids are under 1 MiB; 8 MiB leaves margin.
     max_body_bytes: int = 8 * 1024 * 1024
+    # Slow, stalled and greedy clients (see kvserve.core.client_limits).
+    client_limits: ClientLimits = field(default_factory=ClientLimits)
     # On SIGTERM in-flight requests get this long to finish before they are aborted.
     shutdown_timeout_s: float = 30.0
     device: str | None = None
@@ -52,6 +55,9 @@ class WorkerConfig:
     pd: PDConfig = field(default_factory=PDConfig)  # prefill and decode roles only
     kv_tiers: KVTierConfig = field(default_factory=KVTierConfig)  # host and storage tiers
     kv_transfer: KVTransfer = "tcp"  # how PD blocks travel: built-in TCP or Mooncake's engine
+    # KV events on ZMQ in vLLM's format too (worker/vllm_kv_publisher.py), and its replay
+    kv_events_publisher: str | None = None
+    kv_events_replay: str | None = None
 
     @property
     def resolved_worker_id(self) -> str:

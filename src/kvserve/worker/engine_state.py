@@ -17,6 +17,7 @@ class EngineState:
     waiting: int = 0
     free_blocks: int = 0
     cached_blocks: int = 0
+    evictable_blocks: int = 0  # cached and pinned by no request: free for the taking
     total_blocks: int = 0
     prefill_tokens: int = 0
     prefix_queried_tokens: int = 0
@@ -36,6 +37,7 @@ class EngineState:
             "waiting": self.waiting,
             "free_blocks": self.free_blocks,
             "cached_blocks": self.cached_blocks,
+            "evictable_blocks": self.evictable_blocks,
             "total_blocks": self.total_blocks,
             "prefill_tokens": self.prefill_tokens,
         }
@@ -50,6 +52,7 @@ def probe_engine(engine: Any) -> EngineState:
         waiting=load["waiting"],
         free_blocks=load["free_blocks"],
         cached_blocks=load["cached_blocks"],
+        evictable_blocks=load["evictable_blocks"],
         total_blocks=load["total_blocks"],
         prefill_tokens=load["prefill_tokens"],
         prefix_queried_tokens=prefix_cache.prompt_tokens,

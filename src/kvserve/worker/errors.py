@@ -88,6 +88,9 @@ def validation_error_to_api_error(errors: Sequence[Any]) -> APIError:
     if not location:
         return invalid_request(f"Invalid request body: {first.get('msg', '')}")
     path = ".".join(location)
+    if first.get("type") == "extra_forbidden":
+        # A field the worker does not know is one it would not honour: never ignored.
+        return invalid_request(f"Unrecognized request argument supplied: {path}", param=location[0])
     return invalid_request(f"{path}: {first.get('msg', 'invalid value')}", param=location[0])
 
 

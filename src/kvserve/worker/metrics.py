@@ -109,6 +109,17 @@ class WorkerMetrics:
         self.generation_tokens = Counter(
             "kvserve_generation_tokens", "Tokens generated.", registry=self.registry
         )
+        # n > 1: every choice after a prompt's first is forked from its KV blocks.
+        self.forked_choices = Counter(
+            "kvserve_forked_choices",
+            "Choices (n > 1) started from a sibling's prompt blocks instead of a prefill.",
+            registry=self.registry,
+        )
+        self.forked_prompt_tokens = Counter(
+            "kvserve_forked_prompt_tokens",
+            "Prompt tokens those forked choices shared with their sibling (not computed).",
+            registry=self.registry,
+        )
 
     def _latency_histogram(self, name: str, documentation: str) -> Histogram:
         return Histogram(name, documentation, buckets=_LATENCY_BUCKETS, registry=self.registry)

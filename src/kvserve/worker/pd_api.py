@@ -19,7 +19,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING
 
 from fastapi import APIRouter, Request
@@ -35,8 +35,7 @@ from kvserve.worker.kv_transfer import EngineExports, KVTransferReceiver, KVTran
 from kvserve.worker.metrics import WorkerMetrics
 from kvserve.worker.openai_api import OpenAIEndpoints
 from kvserve.worker.pd_decode import PDDecodeSession
-from kvserve.worker.protocol import ChatCompletionRequest, CompletionRequest, SamplingRequest
-from kvserve.worker.responses import CHAT, COMPLETION, ResponseFormat
+from kvserve.worker.protocol import ChatCompletionRequest, CompletionRequest
 from kvserve.worker.tcp_kv_transfer import TCPKVReceiver, TCPKVSender
 
 if TYPE_CHECKING:
@@ -124,20 +123,20 @@ class PDService:
     async def _respond(
         self,
         request: Request,
-        body: SamplingRequest,
-        fmt: ResponseFormat,
-        prompt_of: Callable[[OpenAIEndpoints], str | list[int]],
-        max_tokens: int | None,
+        body: CompletionRequest | ChatCompletionRequest,
     ) -> Response:
-        """As the ``/v1`` route would, with the PD session in the engine's place."""
+        """As the ``/v1`` route would, with the PD session in the engine's place (one
+        engine request, so one choice, per HTTP request)."""
         prefill_url = request.headers.get(PREFILL_HEADER) or None
         assert self._receiver is not None, "decode role only"
         session = PDDecodeSession(
             self._bridge, self._importer, self._receiver, prefill_url, request.receive
         )
-        endpoints = OpenAIEndpoints(session, self._metrics)
-        endpoints.check_model(body)
-        response = await endpoints.generate(request, body, fmt, prompt_of(endpoints), max_tokens)
+        endpoints = OpenAIEndpoints(session, self._metrics, single_choice=True)
+        if isinstance(body, ChatCompletionRequest):
+            response = await endpoints.chat_completion(request, body)
+        else:
+            response = await endpoints.completion(request, body)
         response.headers[PATH_HEADER] = session.path
         return response
 
@@ -157,13 +156,10 @@ class PDService:
 
         @router.post("/pd/v1/completions")
         async def completion(request: Request, body: CompletionRequest) -> Response:
-            max_tokens = body.max_tokens if body.max_tokens is not None else 16
-            return await self._respond(request, body, COMPLETION, lambda _: body.prompt, max_tokens)
+            return await self._respond(request, body)
 
         @router.post("/pd/v1/chat/completions")
         async def chat_completion(request: Request, body: ChatCompletionRequest) -> Response:
-            return await self._respond(
-                request, body, CHAT, lambda e: e.chat_prompt(body), body.requested_max_tokens()
-            )
+            return await self._respond(request, body)
 
         return router

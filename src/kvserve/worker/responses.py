@@ -39,23 +39,32 @@ class ResponseFormat:
         request_id: str,
         model: str,
         created: int,
-        text: str,
-        finish_reason: str | None,
+        choices: list[dict[str, Any]],
         usage_body: dict[str, Any],
     ) -> dict[str, Any]:
-        choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": finish_reason}
-        if self.chat:
-            choice["message"] = {"role": "assistant", "content": text}
-        else:
-            choice["text"] = text
         return {
             "id": request_id,
             "object": self.object_name,
             "created": created,
             "model": model,
-            "choices": [choice],
+            "choices": choices,
             "usage": usage_body,
         }
+
+    def choice(
+        self, index: int, text: str, finish_reason: str | None, logprobs: dict[str, Any] | None
+    ) -> dict[str, Any]:
+        """One whole choice of a response that is not streamed."""
+        choice: dict[str, Any] = {
+            "index": index,
+            "logprobs": logprobs,
+            "finish_reason": finish_reason,
+        }
+        if self.chat:
+            choice["message"] = {"role": "assistant", "content": text}
+        else:
+            choice["text"] = text
+        return choice
 
     def chunk(
         self,
@@ -72,20 +81,26 @@ class ResponseFormat:
             "choices": choices,
         }
 
-    def delta_choice(self, text: str, finish_reason: str | None) -> dict[str, Any]:
-        choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": finish_reason}
+    def delta_choice(
+        self, index: int, text: str, finish_reason: str | None, logprobs: dict[str, Any] | None
+    ) -> dict[str, Any]:
+        choice: dict[str, Any] = {
+            "index": index,
+            "logprobs": logprobs,
+            "finish_reason": finish_reason,
+        }
         if self.chat:
             choice["delta"] = {"content": text} if text else {}
         else:
             choice["text"] = text
         return choice
 
-    def opening_choice(self) -> dict[str, Any] | None:
-        """Chat streams announce the assistant role before any content."""
+    def opening_choice(self, index: int) -> dict[str, Any] | None:
+        """Chat streams announce the assistant role of each choice before its content."""
         if not self.chat:
             return None
         return {
-            "index": 0,
+            "index": index,
             "delta": {"role": "assistant", "content": ""},
             "logprobs": None,
             "finish_reason": None,

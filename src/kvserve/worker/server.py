@@ -19,6 +19,7 @@ import uvicorn
 
 from kvserve.worker.app import build_app
 from kvserve.worker.config import WorkerConfig
+from kvserve.worker.http_guard import guarded_http_protocol
 
 logger = logging.getLogger(__name__)
 
@@ -70,7 +71,7 @@ def serve(config: WorkerConfig) -> None:
             host=config.host,
             port=config.port,
             loop="uvloop",
-            http="httptools",
+            http=guarded_http_protocol(config.client_limits),
             lifespan="on",
             access_log=False,
             log_level="warning",

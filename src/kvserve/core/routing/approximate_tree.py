@@ -110,6 +110,34 @@ class ApproximatePrefixTree:
                 heapq.heappush(heap, (parent.last_access, next(order), parent))
         return evicted
 
+    def untag(self, text: str, tenant: str, keep_chars: int) -> None:
+        """Take back ``insert(text, tenant, ...)``: ``tenant`` keeps only the first
+        ``keep_chars`` characters of ``text`` (what it held before), and nodes left with
+        no tenant go. Nodes that another of its prompts passes through keep it, since a
+        prefix of what a tenant holds is held too."""
+        path: list[tuple[int, _Node]] = []  # (start of the node's label in text, node)
+        node, pos = self._root, 0
+        while pos < len(text):
+            child = node.children.get(text[pos])
+            if child is None:
+                break
+            common = _common_prefix_length(child.label, text, pos)
+            if common < len(child.label):
+                break  # the insert went through this node whole: it is not ours
+            if pos < keep_chars < pos + common:
+                child = self._split(child, keep_chars - pos)
+                common = keep_chars - pos
+            path.append((pos, child))
+            node, pos = child, pos + common
+        for start, on_path in reversed(path):
+            if start < keep_chars:
+                break
+            if any(tenant in c.tenants for c in on_path.children.values()):
+                break
+            on_path.tenants.discard(tenant)
+            if not on_path.tenants:
+                self._detach(on_path)
+
     def remove_tenant(self, tenant: str) -> None:
         """Forget a worker everywhere (it left the fleet); nodes left untagged go."""
         stack = [self._root]

@@ -17,9 +17,29 @@ much work, blind to an early end). Either alone misleads: counting cached tokens
 makes the holder of a prefix look busy and scatters its conversations.
 
 Device hits are free; host and storage hits cost their transfer time; the rest must be
-computed behind whatever prefill the worker already has queued. The smallest prediction
-wins, so the holder of a prefix gets its requests until its queue makes a cold worker
-faster: a hot prefix spreads to more workers exactly when its holder is saturated.
+computed behind whatever prefill the worker already has queued.
+
+The choice is not this request's TTFT alone. Sending a request anywhere but to the
+deepest holder of its prefix recomputes what the holder has cached: GPU time the fleet
+spends again, which every request queued behind it on that worker waits for, and blocks
+it writes there that evict someone else's. Each candidate is scored::
+
+    score = predicted TTFT + recompute_weight × (prefill seconds here
+                                                 − prefill seconds on the deepest holder)
+
+and the smallest score wins. A holder keeps a request until its queue exceeds the
+recompute (1 + recompute_weight) times over; past that the prefix is worth replicating
+on a second worker, and it spreads. With ``recompute_weight`` 0, the default, the score
+is the TTFT: kv_aware moves a conversation off a busy holder as soon as a cold worker is
+faster for the request at hand, and gives up hit rate to cache_aware, more with load
+(the Mooncake conversation trace, 10 workers: 0.335 against 0.360 at the trace's rate,
+0.303 against 0.359 at ×4). Measured with ``kvserve simulate
+--kv-aware-recompute-weight`` (docs/benchmarks.md, "Routing that keeps its hits"): on
+that trace a weight of 8 keeps cache_aware's hit rate at ×1, ×2 and ×4, still at a lower
+mean TTFT; but on agent sessions with tight caches any weight tried (3, 8) piles
+sessions onto holders that cannot keep their blocks, and at ×2 their mean TTFT grows
+four to six times past cache_aware's, so the default stays 0 until the rule knows when
+a holder's cache will still hold the prefix by the time the request runs.
 
 Ties (equal predictions) go to the less loaded worker, then by rendezvous hashing on the
 request's block chain rather than a per-process rotation: two router replicas with the
@@ -27,7 +47,10 @@ same index and loads make the same choice.
 
 After a choice the request's blocks are inserted speculatively on the chosen worker
 (see :mod:`kvserve.core.routing.kv_index`), so the next request of a burst sharing a new
-prefix follows the first before any event confirms it.
+prefix follows the first before any event confirms it. Both records of a choice (the
+speculation and the queued prefill) come with a take-back, which the router calls when
+the attempt fails before its first token: a worker that never computed the prompt is
+then neither predicted to hold it nor to be busy computing it.
 
 A decision predicts only a few workers, whatever the fleet's size: every worker that
 holds a prefix of the prompt (one walk of the index yields them all, with their depths)
@@ -50,7 +73,7 @@ import xxhash
 from kvserve.core.cost_model import CostModel
 from kvserve.core.routing.kv_index import KVBlockIndex, WorkerMatch
 from kvserve.core.routing.load_order import LoadOrder
-from kvserve.core.routing.types import WorkerLoad
+from kvserve.core.routing.types import TakeBack, WorkerLoad
 
 _NO_MATCH = WorkerMatch({})
 
@@ -77,6 +100,10 @@ class KvAwareConfig:
     storage_load_token_s: float = 10e-6
     decode_request_s: float = 5e-3
     speculative_ttl_s: float = 2.0
+    # Seconds of score per second of prefill a choice computes beyond what the deepest
+    # holder would: what the recompute costs the requests queued behind it (see the
+    # module docstring). 0 (the default, by measurement) ranks by this request's TTFT.
+    recompute_weight: float = 0.0
     # (block, holder) entries the index keeps; None: unbounded (see KVBlockIndex)
     index_max_entries: int | None = None
 
@@ -92,6 +119,8 @@ class KvAwareConfig:
             raise ValueError("kv_aware costs must be >= 0 and prefill_token_s > 0")
         if self.speculative_ttl_s < 0:
             raise ValueError("speculative_ttl_s must be >= 0")
+        if self.recompute_weight < 0:
+            raise ValueError("recompute_weight must be >= 0")
 
     @classmethod
     def from_cost_model(cls, cost: CostModel, **overrides: Any) -> KvAwareConfig:
@@ -139,9 +168,20 @@ class PrefillQueue:
     def queued_s(self, worker_id: str, now: float) -> float:
         return max(0.0, self._done_at.get(worker_id, now) - now)
 
-    def push(self, worker_id: str, seconds: float, now: float) -> None:
+    def push(self, worker_id: str, seconds: float, now: float) -> float:
+        """Queue ``seconds`` of prefill; returns when they are predicted to end."""
         done_at = self._done_at[worker_id] = now + self.queued_s(worker_id, now) + seconds
         self._loads.set_done(worker_id, done_at)
+        return done_at
+
+    def take_back(self, worker_id: str, seconds: float, ends_at: float, now: float) -> None:
+        """A pushed prefill (``seconds`` ending at ``ends_at``) will not run after all:
+        the queue ends sooner by the part of it not yet predicted done."""
+        done_at = self._done_at.get(worker_id)
+        if done_at is not None:
+            left = min(seconds, max(0.0, ends_at - now))
+            done_at = self._done_at[worker_id] = max(now, done_at - left)
+            self._loads.set_done(worker_id, done_at)
 
     def forget(self, worker_id: str) -> None:
         self._done_at.pop(worker_id, None)
@@ -214,20 +254,37 @@ def lowest_ttft(
         )
         for w in workers
     ]
-    return _choose(scored, tie_key)
+    return _choose(scored, tie_key, prompt_tokens, config)
 
 
-def _choose(scored: Sequence[tuple[WorkerLoad, float, int]], tie_key: int) -> KvAwareChoice:
-    """Of (worker, TTFT, cached tokens): the smallest TTFT (equal up to a nanosecond is a
-    tie), then the lighter guards, then rendezvous hashing (computed for the tied only)."""
-    ranked = [((round(ttft, 9), w.sort_key), w, ttft, cached) for w, ttft, cached in scored]
+def _choose(
+    scored: Sequence[tuple[WorkerLoad, float, int]],
+    tie_key: int,
+    prompt_tokens: int,
+    config: KvAwareConfig,
+) -> KvAwareChoice:
+    """Of (worker, TTFT, cached tokens): the smallest score (equal up to a nanosecond is
+    a tie), then the lighter guards, then rendezvous hashing (computed for the tied only).
+    The score is the TTFT plus ``recompute_weight`` times the prefill seconds the choice
+    computes beyond what the deepest holder would."""
+    deepest = max(c for _, _, c in scored)
+    weight = config.recompute_weight
+    floor_s = config.prefill_s(prompt_tokens - deepest, deepest) if weight else 0.0
+
+    def score(ttft: float, cached: int) -> float:
+        if not weight or cached == deepest:
+            return ttft
+        return ttft + weight * (config.prefill_s(prompt_tokens - cached, cached) - floor_s)
+
+    ranked = [
+        ((round(score(ttft, cached), 9), w.sort_key), w, ttft, cached) for w, ttft, cached in scored
+    ]
     lowest = min(r[0] for r in ranked)
     tied = [r[1:] for r in ranked if r[0] == lowest]
     chosen = tied[0]
     if len(tied) > 1:
         chosen = max(tied, key=lambda t: _rendezvous(tie_key, t[0].worker_id))
     worker, ttft, cached = chosen
-    deepest = max(c for _, _, c in scored)
     if deepest == 0:
         reason = "cache_miss"
     elif cached == deepest:
@@ -297,24 +354,36 @@ class KvAwareRouting:
             )
             for w in candidates
         ]
-        return _choose(scored, tie_key)
+        return _choose(scored, tie_key, prompt_tokens, self.config)
 
     def expect_prefill(
         self, choice: KvAwareChoice, block_hashes: Sequence[int], prompt_tokens: int, now: float
-    ) -> None:
+    ) -> TakeBack:
         """The chosen worker computes the prompt's uncached part: queue it there and
-        expect its blocks there."""
-        cached = choice.prediction.cached_tokens
-        self.queue.push(
-            choice.worker_id, self.config.prefill_s(prompt_tokens - cached, cached), now
-        )
-        self.expect_blocks(choice.worker_id, block_hashes, now)
+        expect its blocks there. Returns what takes both back."""
+        worker_id, cached = choice.worker_id, choice.prediction.cached_tokens
+        seconds = self.config.prefill_s(prompt_tokens - cached, cached)
+        ends_at = self.queue.push(worker_id, seconds, now)
+        withdraw = self.expect_blocks(worker_id, block_hashes, now)
 
-    def expect_blocks(self, worker_id: str, block_hashes: Sequence[int], now: float) -> None:
+        def take_back(at: float) -> None:
+            self.queue.take_back(worker_id, seconds, ends_at, at)
+            withdraw(at)
+
+        return take_back
+
+    def expect_blocks(self, worker_id: str, block_hashes: Sequence[int], now: float) -> TakeBack:
         """Insert ``block_hashes`` speculatively on ``worker_id`` until events confirm them
-        (a PD decode worker gets them from its prefill worker, computing nothing)."""
+        (a PD decode worker gets them from its prefill worker, computing nothing).
+        Returns what withdraws them."""
+        deadline = now + self.config.speculative_ttl_s
         if self.config.speculative_ttl_s > 0:
-            self.index.speculate(worker_id, block_hashes, now + self.config.speculative_ttl_s)
+            self.index.speculate(worker_id, block_hashes, deadline)
+
+        def withdraw(_: float) -> None:
+            self.index.withdraw(worker_id, block_hashes, deadline)
+
+        return withdraw
 
     def forget_worker(self, worker_id: str) -> None:
         self.index.remove_worker(worker_id)

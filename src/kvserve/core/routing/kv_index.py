@@ -221,6 +221,18 @@ class KVBlockIndex:
                 speculative_holders[block_hash] = speculative_holders.get(block_hash, 0) | bit
                 heapq.heappush(self._deadlines, (deadline, worker_id, block_hash))
 
+    def withdraw(self, worker_id: str, block_hashes: Sequence[int], deadline: float) -> None:
+        """Take back ``speculate(worker_id, block_hashes, deadline)``: the entries it set
+        and no later speculation renewed go at once (confirmed ones are not speculative)."""
+        pending = self._speculative.get(worker_id)
+        slot = self._slots.get(worker_id)
+        if not pending or slot is None:
+            return
+        for block_hash in block_hashes:
+            if pending.get(block_hash) == deadline:
+                del pending[block_hash]
+                self._drop_speculative_bit(block_hash, _bit(slot, "device"))
+
     def expire(self, now: float) -> int:
         """Drop speculative entries whose deadline passed; returns how many."""
         dropped = 0

@@ -22,7 +22,13 @@ from kvserve.core.routing.pd_pair import (
     local_prefill_reason,
     with_room,
 )
-from kvserve.core.routing.types import PairDecision, RouteQuery, RoutingDecision, WorkerLoad
+from kvserve.core.routing.types import (
+    PairDecision,
+    RouteQuery,
+    RoutingDecision,
+    WorkerLoad,
+    all_of,
+)
 
 
 class Policy(ABC):
@@ -60,10 +66,16 @@ class Policy(ABC):
         cached = round(decode.matched_fraction * query.prefill_tokens)
         local = local_prefill_reason(query.prefill_tokens, cached, bool(prefills), pd)
         if local is not None:
-            return PairDecision(decode.worker_id, self.name, local, decode.matched_fraction)
+            matched = decode.matched_fraction
+            return PairDecision(decode.worker_id, self.name, local, matched, decode.take_back)
         prefill = self.select(dataclasses.replace(query, pool=PREFILL_POOL), prefills, now)
         return PairDecision(
-            decode.worker_id, self.name, "remote", prefill.matched_fraction, prefill.worker_id
+            decode.worker_id,
+            self.name,
+            "remote",
+            prefill.matched_fraction,
+            all_of((decode.take_back, prefill.take_back)),
+            prefill_worker_id=prefill.worker_id,
         )
 
     def observe_events(self, worker_id: str, events: Sequence[KVEvent]) -> None:  # noqa: B027
@@ -79,6 +91,13 @@ class Policy(ABC):
         """The router's guards on ``load.worker_id`` now hold ``load``: called on every
         change, so that a policy can keep workers ordered by load instead of scanning
         ``select``'s loads (kv_aware)."""
+
+    def undo(self, decision: RoutingDecision, now: float) -> None:
+        """The attempt sent by ``decision`` ended before its first token (it failed, was
+        refused, or is retried elsewhere): take back what the choice recorded, so that
+        the worker is not predicted to hold its blocks or to compute its prompt."""
+        if decision.take_back is not None:
+            decision.take_back(now)
 
     def forget_worker(self, worker_id: str) -> None:  # noqa: B027 - most keep no state
         """Drop what the policy learned about a worker that left the fleet."""

@@ -2,9 +2,25 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
+
+# Takes back what a policy recorded when it made a decision (given the time now).
+TakeBack = Callable[[float], None]
+
+
+def all_of(take_backs: Sequence[TakeBack | None]) -> TakeBack | None:
+    """One take-back for several records (a pair's two workers); None if there is none."""
+    present = [t for t in take_backs if t is not None]
+    if len(present) <= 1:
+        return present[0] if present else None
+
+    def take_back(now: float) -> None:
+        for each in present:
+            each(now)
+
+    return take_back
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,6 +86,9 @@ class RoutingDecision:
     policy: str
     reason: str
     matched_fraction: float = 0.0
+    # What the policy recorded for this choice (speculative blocks, a queued prefill, a
+    # tree insert), for ``Policy.undo`` should the attempt fail; None: nothing recorded.
+    take_back: TakeBack | None = field(default=None, compare=False, repr=False)
 
     def uncached_tokens(self, prompt_tokens: int) -> int:
         """The part of a ``prompt_tokens`` prompt the worker is predicted to compute."""

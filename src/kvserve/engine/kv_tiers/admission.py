@@ -165,7 +165,7 @@ class TierAdmissions:
             if host is not None:  # loaded once, kept close for the next request
                 host.store(hashes[end:total], hashes[end - 1] if end else None,
                            lambda i, j: stored[i:j])  # fmt: skip
-        cache.commit_blocks(holder, hashes[:total])
+        cache.commit_blocks(holder, hashes[:total], admission.request.token_ids)
         self._stats.host_hit_tokens += from_host * self._block_size
         self._stats.storage_hit_tokens += from_storage * self._block_size
         admission.loaded_tokens = (total - in_device) * self._block_size

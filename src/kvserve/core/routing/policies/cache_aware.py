@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from kvserve.core.routing.approximate_tree import ApproximatePrefixTree
 from kvserve.core.routing.cache_aware import CacheAwareConfig, CacheAwareIndex, select_worker
 from kvserve.core.routing.pd_pair import (
     DECODE_POOL,
@@ -25,7 +26,14 @@ from kvserve.core.routing.pd_pair import (
 )
 from kvserve.core.routing.policy import Policy
 from kvserve.core.routing.tie_breaking import PoolRotations
-from kvserve.core.routing.types import PairDecision, RouteQuery, RoutingDecision, WorkerLoad
+from kvserve.core.routing.types import (
+    PairDecision,
+    RouteQuery,
+    RoutingDecision,
+    TakeBack,
+    WorkerLoad,
+    all_of,
+)
 
 
 class CacheAwarePolicy(Policy):
@@ -45,16 +53,14 @@ class CacheAwarePolicy(Policy):
     ) -> RoutingDecision:
         self._index.maybe_trim(now)
         tree = self._index.tree(query.pool, query.model)
+        matched = tree.match(query.text)
         choice = select_worker(
-            workers,
-            tree.match(query.text),
-            len(query.text),
-            self._config,
-            self._rotations[query.pool],
+            workers, matched, len(query.text), self._config, self._rotations[query.pool]
         )
-        tree.insert(query.text, choice.worker.worker_id, now)
+        worker_id = choice.worker.worker_id
+        take_back = _insert(tree, query.text, worker_id, matched.get(worker_id, 0), now)
         return RoutingDecision(
-            choice.worker.worker_id, self.name, choice.reason, choice.matched_fraction
+            worker_id, self.name, choice.reason, choice.matched_fraction, take_back
         )
 
     def select_pair(
@@ -84,17 +90,31 @@ class CacheAwarePolicy(Policy):
             self._rotations[DECODE_POOL],
         )
         decode_id = pair.decode.load.worker_id
-        decode_tree.insert(query.text, decode_id, now)
+        decode_held = decode_matched.get(decode_id, 0)
+        take_back = _insert(decode_tree, query.text, decode_id, decode_held, now)
         if pair.prefill is None:
-            return PairDecision(decode_id, self.name, pair.reason, pair.decode.matched_fraction)
-        prefill_tree.insert(query.text, pair.prefill.worker_id, now)
+            matched = pair.decode.matched_fraction
+            return PairDecision(decode_id, self.name, pair.reason, matched, take_back)
+        prefill_id = pair.prefill.worker_id
+        prefill_held = round(prefill_matched.get(prefill_id, 0.0) * text_chars)
+        take_backs = (take_back, _insert(prefill_tree, query.text, prefill_id, prefill_held, now))
         return PairDecision(
             decode_id,
             self.name,
             pair.reason,
             pair.prefill_matched_fraction,
-            pair.prefill.worker_id,
+            all_of(take_backs),
+            prefill_worker_id=prefill_id,
         )
 
     def forget_worker(self, worker_id: str) -> None:
         self._index.forget_worker(worker_id)
+
+
+def _insert(
+    tree: ApproximatePrefixTree, text: str, worker_id: str, held_chars: int, now: float
+) -> TakeBack:
+    """Record ``text`` as sent to ``worker_id``, which held ``held_chars`` of it before;
+    returns what takes that back (only the part it did not hold)."""
+    tree.insert(text, worker_id, now)
+    return lambda _: tree.untag(text, worker_id, held_chars)

@@ -27,7 +27,13 @@ from kvserve.core.routing.kv_aware import KvAwareChoice, KvAwareConfig, KvAwareR
 from kvserve.core.routing.pd_pair import PDConfig, local_prefill_reason, with_room
 from kvserve.core.routing.policy import Policy
 from kvserve.core.routing.tie_breaking import PoolRotations, least_loaded
-from kvserve.core.routing.types import PairDecision, RouteQuery, RoutingDecision, WorkerLoad
+from kvserve.core.routing.types import (
+    PairDecision,
+    RouteQuery,
+    RoutingDecision,
+    WorkerLoad,
+    all_of,
+)
 
 
 class KvAwarePolicy(Policy):
@@ -46,12 +52,11 @@ class KvAwarePolicy(Policy):
         if blocks is None:
             chosen = least_loaded(workers, self._rotations[query.pool])
             return RoutingDecision(chosen.worker_id, self.name, "no_tokenizer")
-        choice = self.routing.select(
-            workers, blocks.reusable_hashes, blocks.num_tokens, blocks.block_size, now
-        )
-        return RoutingDecision(
-            choice.worker_id, self.name, choice.reason, _matched(choice, blocks.num_tokens)
-        )
+        hashes, tokens = blocks.reusable_hashes, blocks.num_tokens
+        choice = self.routing.best(workers, hashes, tokens, blocks.block_size, now)
+        take_back = self.routing.expect_prefill(choice, hashes, tokens, now)
+        matched = _matched(choice, tokens)
+        return RoutingDecision(choice.worker_id, self.name, choice.reason, matched, take_back)
 
     def select_pair(
         self,
@@ -69,13 +74,23 @@ class KvAwarePolicy(Policy):
         cached = decode.prediction.cached_tokens
         local = local_prefill_reason(tokens, cached, bool(prefills), pd)
         if local is not None:
-            self.routing.expect_prefill(decode, hashes, tokens, now)
-            return PairDecision(decode.worker_id, self.name, local, _matched(decode, tokens))
+            take_back = self.routing.expect_prefill(decode, hashes, tokens, now)
+            matched = _matched(decode, tokens)
+            return PairDecision(decode.worker_id, self.name, local, matched, take_back)
         prefill = self.routing.best(prefills, hashes, tokens, blocks.block_size, now)
-        self.routing.expect_prefill(prefill, hashes, tokens, now)
-        self.routing.expect_blocks(decode.worker_id, hashes, now)
+        both = all_of(
+            (
+                self.routing.expect_prefill(prefill, hashes, tokens, now),
+                self.routing.expect_blocks(decode.worker_id, hashes, now),
+            )
+        )
         return PairDecision(
-            decode.worker_id, self.name, "remote", _matched(prefill, tokens), prefill.worker_id
+            decode.worker_id,
+            self.name,
+            "remote",
+            _matched(prefill, tokens),
+            both,
+            prefill_worker_id=prefill.worker_id,
         )
 
     def observe_events(self, worker_id: str, events: Sequence[KVEvent]) -> None:

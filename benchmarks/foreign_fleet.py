@@ -1,0 +1,193 @@
+"""A fleet of real vLLM servers (CPU build, .venv-vllm) behind kvserve's router
+(``kv_aware``, every worker's cache learned from its ZMQ KV events) and behind SGLang's
+router (``sglang_router.launch_router --policy cache_aware``, an approximate tree of its
+own routing history), measured with ``kvserve bench`` on the same workloads, the same
+servers and the same machine, in one run.
+
+Every run gets a fresh router and empty vLLM prefix caches (``POST /reset_prefix_cache``,
+which vLLM serves with ``VLLM_SERVER_DEV_MODE=1``; it publishes ``AllBlocksCleared``), and
+the order of the routers alternates between rounds, so that neither inherits warm caches
+or a quieter machine. Hit rate is vLLM's own ``usage.prompt_tokens_details.cached_tokens``
+over prompt tokens (``--enable-prompt-tokens-details``).
+
+The model is a random-weight qwen3 (head_dim 32, as vLLM's CPU attention needs) wide
+enough that a prefill costs real time on a CPU, so that reusing a prefix shows in TTFT.
+
+``--routers`` adds ``kvserve-cache_aware`` (kvserve's router running sglang-router's
+policy), which separates what the router process costs from what the policy decides.
+
+Run: ``python benchmarks/foreign_fleet.py [--requests 48] [--rounds 1]
+[--routers kvserve-kv_aware sglang-cache_aware kvserve-cache_aware]
+[--workloads shared-prefix mooncake-conv] [--out runs/foreign-fleet]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from kvserve.router.local_fleet import KVSERVE_COMMAND, ServerProcess, free_port
+from tests.support.processes import start_router
+from tests.support.vllm_server import BLOCK_SIZE, VllmServer
+
+ROUTERS = ("kvserve-kv_aware", "sglang-cache_aware", "kvserve-cache_aware")
+WORKLOADS = {
+    "shared-prefix": "shared-prefix:n_prefixes=6,prefix_len=384,suffix_len=24,max_tokens=8",
+    "mooncake-conv": "mooncake-conv:block_tokens=10,max_tokens=8",
+}
+
+
+def make_model() -> Path:
+    from kvserve.engine.tiny_model import TinyShape, make_tiny_model
+
+    root = Path(tempfile.mkdtemp(prefix="kvserve-foreign-"))
+    shape = TinyShape(
+        hidden_size=256,
+        intermediate_size=768,
+        num_heads=8,
+        num_kv_heads=4,
+        num_layers=4,
+        head_dim=32,
+    )
+    return make_tiny_model(root / "qwen3", "qwen3", shape=shape)
+
+
+def start_sglang_router(workers: list[VllmServer]) -> ServerProcess:
+    port = free_port()
+    args = [sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1"]
+    args += ["--port", str(port), "--policy", "cache_aware", "--log-level", "warn"]
+    args += ["--worker-urls", *[w.url for w in workers]]
+    return ServerProcess(args, f"http://127.0.0.1:{port}", name="sglang-router").wait_healthy(60)
+
+
+def start_kvserve_router(
+    workers: list[VllmServer], model_dir: Path, prefill_token_s: float
+) -> ServerProcess:
+    """kv_aware with this machine's prefill cost; a running request is charged one prompt
+    token's worth (a CPU computes a decode token as it does a prompt token)."""
+    router = start_router(
+        [w.url for w in workers], free_port(), "--policy", "kv_aware",
+        "--tokenizer", str(model_dir), "--kv-events", *[w.kv_events() for w in workers],
+        "--kv-block-size", str(BLOCK_SIZE), "--kv-prefill-token-s", str(prefill_token_s),
+        "--kv-decode-request-s", str(prefill_token_s),
+    )  # fmt: skip
+    deadline = time.monotonic() + 60
+    while not all("kv_events_stream" in w for w in _workers(router)):  # followers started
+        assert time.monotonic() < deadline, "the router never followed its workers' events"
+        time.sleep(0.1)
+    return router
+
+
+def _workers(router: ServerProcess) -> list[dict[str, Any]]:
+    with urllib.request.urlopen(f"{router.url}/workers", timeout=10) as response:
+        workers: list[dict[str, Any]] = json.loads(response.read())["workers"]
+    return workers
+
+
+def _cold_ttft_s(worker: VllmServer, model_dir: Path, tokens: list[int]) -> float:
+    body = json.dumps({"model": str(model_dir), "prompt": tokens, "max_tokens": 1}).encode()
+    request = urllib.request.Request(
+        f"{worker.url}/v1/completions", body, {"Content-Type": "application/json"}
+    )
+    started = time.perf_counter()
+    with urllib.request.urlopen(request, timeout=120) as response:
+        response.read()
+    return time.perf_counter() - started
+
+
+def prefill_token_s(worker: VllmServer, model_dir: Path) -> float:
+    """Seconds per prompt token on this machine: the slope between cold prompts of 128
+    and 1,536 tokens (best of three each, fresh tokens every time)."""
+    times = {}
+    for length in (128, 1536):
+        times[length] = min(
+            _cold_ttft_s(
+                worker, model_dir, [(7 * i + 13 * k + length) % 900 + 50 for i in range(length)]
+            )
+            for k in range(3)
+        )
+    return (times[1536] - times[128]) / (1536 - 128)
+
+
+def reset_caches(workers: list[VllmServer]) -> None:
+    for worker in workers:
+        request = urllib.request.Request(f"{worker.url}/reset_prefix_cache", method="POST")
+        with urllib.request.urlopen(request, timeout=30) as response:
+            assert response.status == 200
+
+
+def run_once(
+    name: str, workers: list[VllmServer], model_dir: Path, workload: str, args: argparse.Namespace,
+    out: Path,
+) -> dict[str, Any]:  # fmt: skip
+    reset_caches(workers)
+    if name == "kvserve-kv_aware":
+        router = start_kvserve_router(workers, model_dir, args.prefill_token_s)
+    elif name == "kvserve-cache_aware":  # kvserve's router with sglang-router's policy
+        router = start_router([w.url for w in workers], free_port(), "--policy", "cache_aware")
+    else:
+        router = start_sglang_router(workers)
+    try:
+        subprocess.run(
+            [*KVSERVE_COMMAND, "bench", "--endpoint", router.url, "--workload", workload,
+             "--model", str(model_dir), "--concurrency", str(args.concurrency),
+             "--max-requests", str(args.requests), "--out", str(out)],
+            check=True, stdout=subprocess.DEVNULL,
+        )  # fmt: skip
+    finally:
+        router.stop()
+    summary: dict[str, Any] = json.loads((out / "results.json").read_text())["summary"]
+    return summary
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--requests", type=int, default=48)
+    parser.add_argument("--concurrency", type=int, default=4)
+    parser.add_argument("--rounds", type=int, default=1)
+    parser.add_argument("--out", type=Path, default=Path("runs/foreign-fleet"))
+    parser.add_argument("--routers", nargs="+", choices=ROUTERS, default=list(ROUTERS[:2]))
+    parser.add_argument("--workloads", nargs="+", choices=WORKLOADS, default=list(WORKLOADS))
+    args = parser.parse_args()
+    workloads = {name: WORKLOADS[name] for name in args.workloads}
+    model_dir = make_model()
+    workers = [VllmServer(model_dir, dev_mode=True, kv_cache_gib=1) for _ in range(2)]
+    results: dict[str, dict[str, list[dict[str, Any]]]] = {w: {} for w in workloads}
+    try:
+        for worker in workers:
+            worker.wait_healthy(600)
+        args.prefill_token_s = prefill_token_s(workers[0], model_dir)
+        print(f"prefill: {args.prefill_token_s * 1e6:.1f} us per prompt token", flush=True)
+        for round_index in range(args.rounds):
+            order = args.routers if round_index % 2 == 0 else args.routers[::-1]
+            for workload_name, spec in workloads.items():
+                for name in order:
+                    out = args.out / f"{workload_name}-{name}-r{round_index}"
+                    summary = run_once(name, workers, model_dir, spec, args, out)
+                    results[workload_name].setdefault(name, []).append(summary)
+                    ttft = summary["ttft_ms"]
+                    print(
+                        f"{workload_name:14} {name:20} round {round_index}: "
+                        f"hit {summary['prefix_hit_rate']:.3f}  TTFT p50 {ttft['p50']:.0f} "
+                        f"p99 {ttft['p99']:.0f} ms  errors {summary['errors']}  "
+                        f"per worker {summary['requests_per_worker']}",
+                        flush=True,
+                    )
+    finally:
+        for worker in workers:
+            worker.stop()
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "summary.json").write_text(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()

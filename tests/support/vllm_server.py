@@ -1,0 +1,83 @@
+"""Real ``vllm serve`` processes (vLLM's CPU build in .venv-vllm, made by
+scripts/setup_vllm.sh) with prefix caching and ZMQ KV events, for tests and benchmarks.
+
+vLLM's CPU attention needs a head width of 32 or more and a block size that is a multiple
+of 32: the tiny qwen3 model (head_dim 32) and blocks of 32 tokens fit.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from kvserve.router.local_fleet import ServerProcess, free_port
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+VLLM_PYTHON = REPO_ROOT / ".venv-vllm" / "bin" / "python"
+LAUNCHER = REPO_ROOT / "scripts" / "vllm_serve.py"
+BLOCK_SIZE = 32
+
+
+def require_vllm() -> None:
+    """Fail (never skip) when vLLM is not set up: CI runs scripts/setup_vllm.sh first."""
+    if not VLLM_PYTHON.exists():
+        raise RuntimeError(f"{VLLM_PYTHON} is missing: run scripts/setup_vllm.sh")
+
+
+class VllmServer:
+    """One ``vllm serve`` with KV events on ``events_port`` and replay on ``replay_port``;
+    the ports stay the same across :meth:`restart`."""
+
+    def __init__(self, model_dir: Path, *, kv_cache_gib: int = 1, dev_mode: bool = False) -> None:
+        require_vllm()
+        self.model_dir = model_dir
+        self.dev_mode = dev_mode  # /reset_prefix_cache, for benchmarks
+        self.port, self.events_port, self.replay_port = free_port(), free_port(), free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.kv_cache_gib = kv_cache_gib
+        self.process = self._spawn()
+
+    def _spawn(self) -> ServerProcess:
+        events = {
+            "enable_kv_cache_events": True,
+            "publisher": "zmq",
+            "endpoint": f"tcp://*:{self.events_port}",
+            "replay_endpoint": f"tcp://*:{self.replay_port}",
+            "topic": "kv",
+        }
+        args = [
+            str(VLLM_PYTHON), str(LAUNCHER), str(self.model_dir),
+            "--host", "127.0.0.1", "--port", str(self.port), "--dtype", "float32",
+            "--max-model-len", "2048", "--enable-prefix-caching",
+            "--block-size", str(BLOCK_SIZE), "--max-num-seqs", "16",
+            "--enable-prompt-tokens-details",
+            "--kv-events-config", json.dumps(events),
+        ]  # fmt: skip
+        env = {
+            "VLLM_CPU_KVCACHE_SPACE": str(self.kv_cache_gib),
+            "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+            "PYTHONPATH": "",  # kvserve's source stays out of vLLM's venv
+            "VLLM_SERVER_DEV_MODE": "1" if self.dev_mode else "0",
+        }
+        return ServerProcess(args, self.url, name="vllm", env=env)
+
+    def wait_healthy(self, timeout_s: float = 300.0) -> VllmServer:
+        self.process.wait_healthy(timeout_s)
+        return self
+
+    def kill(self) -> None:
+        self.process.kill()
+
+    def restart(self) -> VllmServer:
+        """A new process on the same ports (not waited for)."""
+        self.process.stop()
+        self.process = self._spawn()
+        return self
+
+    def stop(self) -> None:
+        self.process.stop(30)
+
+    def kv_events(self, *, replay: bool = True) -> str:
+        """This server's event source as the router's ``--kv-events`` takes it."""
+        source = f"tcp://127.0.0.1:{self.events_port}"
+        return source + (f"?replay=tcp://127.0.0.1:{self.replay_port}" if replay else "")

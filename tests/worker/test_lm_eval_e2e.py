@@ -1,0 +1,112 @@
+"""``lm-eval`` against a real kvserve worker, as a user runs it: ``--model local-completions``
+(loglikelihood through echo + logprobs on token-id prompt lists, and generate_until) and
+``--model local-chat-completions`` (generate_until through the chat template), on two small
+local tasks shipped in ``tests/fixtures/lm_eval_tasks`` (nothing downloaded). No request
+may fail, and every loglikelihood must equal the one lm-eval's own Hugging Face backend
+computes from the same model folder."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from kvserve.router.local_fleet import KVSERVE_COMMAND, ServerProcess, free_port
+from tests.support.processes import REPO_ROOT
+
+TASKS = REPO_ROOT / "tests/fixtures/lm_eval_tasks"
+LM_EVAL = [sys.executable, "-m", "lm_eval"]
+TOLERANCE = 1e-3
+# What lm-eval logs when a request fails (it then retries, or gives up on the request).
+FAILURE_MARKS = ("API request failed", "Exception:", "Traceback")
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    model = tmp_path_factory.mktemp("lm-eval-model") / "tiny"
+    subprocess.run(
+        [*KVSERVE_COMMAND, "make-tiny-model", str(model)], check=True, capture_output=True
+    )
+    return model
+
+
+@pytest.fixture(scope="module")
+def worker(model_dir: Path) -> Iterator[ServerProcess]:
+    port = free_port()
+    args = [*KVSERVE_COMMAND, "worker", "--model", str(model_dir), "--port", str(port)]
+    args += ["--device", "cpu", "--num-blocks", "512"]
+    server = ServerProcess(args, f"http://127.0.0.1:{port}", name="worker").wait_healthy(90)
+    yield server
+    assert server.stop(timeout_s=30) == 0, server.log_tail()
+
+
+def lm_eval(out: Path, *args: str) -> str:
+    """Runs the lm-eval command line offline (the tasks' data is local); its output."""
+    env = os.environ | {
+        "HF_HOME": str(out / "hf-home"),
+        "HF_DATASETS_OFFLINE": "1",
+        "HF_HUB_OFFLINE": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+        "OMP_NUM_THREADS": "1",
+    }
+    command = [*LM_EVAL, "run", *args, "--include_path", str(TASKS), "--output_path", str(out)]
+    result = subprocess.run(
+        [*command, "--log_samples"], cwd=TASKS, env=env, capture_output=True, text=True,
+        timeout=400,
+    )  # fmt: skip
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output[-4000:]
+    for mark in FAILURE_MARKS:
+        assert mark not in output, output[-4000:]
+    return output
+
+
+def samples(out: Path, task: str) -> list[dict]:
+    (path,) = out.glob(f"*/samples_{task}_*.jsonl")
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def loglikelihoods(out: Path) -> list[float]:
+    return [
+        float(loglikelihood)
+        for sample in samples(out, "kvserve_tiny_choice")
+        for loglikelihood, _ in sample["filtered_resps"]
+    ]
+
+
+def test_local_completions_match_the_hf_backend_and_chat_runs(
+    worker: ServerProcess, model_dir: Path, tmp_path: Path
+) -> None:
+    served = f"model=tiny,base_url={worker.url}/v1/completions,tokenizer={model_dir}"
+    # add_bos_token: the HF backend's tokenizer adds BOS; the API model must send it too.
+    served += ",tokenizer_backend=huggingface,num_concurrent=2,max_retries=1,add_bos_token=True"
+    lm_eval(
+        tmp_path / "kvserve",
+        "--model", "local-completions", "--model_args", served,
+        "--tasks", "kvserve_tiny_choice,kvserve_tiny_generate",
+    )  # fmt: skip
+    lm_eval(
+        tmp_path / "hf",
+        "--model", "hf", "--model_args", f"pretrained={model_dir},dtype=float32",
+        "--device", "cpu", "--tasks", "kvserve_tiny_choice",
+    )  # fmt: skip
+    ours, theirs = loglikelihoods(tmp_path / "kvserve"), loglikelihoods(tmp_path / "hf")
+    assert len(ours) == len(theirs) == 8
+    for got, want in zip(ours, theirs, strict=True):
+        assert abs(got - want) < TOLERANCE, (ours, theirs)
+    generated = samples(tmp_path / "kvserve", "kvserve_tiny_generate")
+    assert len(generated) == 3 and all(isinstance(s["filtered_resps"][0], str) for s in generated)
+
+    chat = f"model=tiny,base_url={worker.url}/v1/chat/completions,num_concurrent=2,max_retries=1"
+    lm_eval(
+        tmp_path / "chat",
+        "--model", "local-chat-completions", "--model_args", chat,
+        "--apply_chat_template", "--tasks", "kvserve_tiny_generate",
+    )  # fmt: skip
+    answers = samples(tmp_path / "chat", "kvserve_tiny_generate")
+    assert len(answers) == 3 and all(isinstance(s["filtered_resps"][0], str) for s in answers)
