@@ -9,7 +9,9 @@ side by side in one run:
   engine), fetched by ``TCPKVReceiver.fetch_from`` in the other (each run read straight
   into memory from its ``RunBuffers``, handed to an install that keeps nothing), timed
   from the request to the ``done`` frame (``--fresh-memory`` adds the same into fresh
-  memory for every run: what ``RunBuffers`` saves);
+  memory for every run: what ``RunBuffers`` saves; ``--unmerged`` adds a sender that
+  writes one frame per run, where the real one joins queued runs into frames of up to
+  ``MERGE_BYTES``, as it does for a backlog);
 - **Mooncake TCP**: the Mooncake Transfer Engine (P2P handshake, ``tcp`` protocol)
   writing each run into the receiver's registered buffer (``transfer_sync_write``), as
   ``MooncakeKVSender`` does, the receiver copying each run out as ``MooncakeKVReceiver``
@@ -21,7 +23,7 @@ side by side in one run:
   size (pages touched beforehand): the reference, one copy of each byte.
 
 Run: ``python benchmarks/kv_transfer_rate.py [--megabytes 256] [--run-megabytes 4]
-[--rounds 3] [--no-mooncake] [--fresh-memory]``. The paths alternate round by round;
+[--rounds 3] [--no-mooncake] [--fresh-memory] [--unmerged]``. The paths alternate round by round;
 prints GB/s (median of the rounds, and every round) and each median's ratio to memcpy's.
 """
 
@@ -43,7 +45,12 @@ import torch
 from kvserve.engine.kv_block_io import KVBlockLayout
 from kvserve.engine.pd_export import ExportSink
 from kvserve.worker.run_buffers import RunBuffers
-from kvserve.worker.tcp_kv_transfer import PayloadLanding, TCPKVReceiver, TCPKVSender
+from kvserve.worker.tcp_kv_transfer import (
+    MERGE_BYTES,
+    PayloadLanding,
+    TCPKVReceiver,
+    TCPKVSender,
+)
 
 MB = 1 << 20
 
@@ -89,14 +96,14 @@ class ReadyExports:
         pass
 
 
-def _tcp_sender(pipe: Connection, total: int, run: int) -> None:
+def _tcp_sender(pipe: Connection, total: int, run: int, merge_bytes: int) -> None:
     torch.set_num_threads(1)
     per_run = run // LAYOUT.block_nbytes
     blocks = _runs(total, total)[0].view(LAYOUT.torch_dtype).reshape(-1, *LAYOUT.block_shape)
     runs = [blocks[i : i + per_run] for i in range(0, len(blocks), per_run)]
 
     async def serve() -> None:
-        sender = TCPKVSender(ReadyExports(runs), LAYOUT, "127.0.0.1")
+        sender = TCPKVSender(ReadyExports(runs), LAYOUT, "127.0.0.1", merge_bytes=merge_bytes)
         await sender.start()
         pipe.send(sender.port)
         await asyncio.get_running_loop().run_in_executor(None, pipe.recv)  # until told
@@ -105,14 +112,12 @@ def _tcp_sender(pipe: Connection, total: int, run: int) -> None:
     asyncio.run(serve())
 
 
-def tcp_rate(port: int, total: int, reuse: bool = True) -> float:
+def tcp_rate(port: int, total: int, receiver: TCPKVReceiver) -> float:
     """The decode side's real path: ``TCPKVReceiver.fetch_from`` reading each run into
-    memory from its ``RunBuffers`` (``reuse=False``: fresh memory every run), handed to
-    an install that keeps nothing."""
+    memory from its ``RunBuffers`` (kept from round to round, as a decode worker keeps
+    them; a receiver keeping none lands every run in fresh memory), handed to an install
+    that keeps nothing."""
     num_blocks = total // LAYOUT.block_nbytes
-    receiver = TCPKVReceiver(LAYOUT, frame_timeout_s=60.0)
-    if not reuse:
-        receiver.buffers = RunBuffers(keep_bytes=0)
 
     async def install(first_block: int, blocks: torch.Tensor) -> None:
         pass
@@ -199,6 +204,9 @@ def main() -> None:
     parser.add_argument(
         "--fresh-memory", action="store_true", help="add kvserve TCP receiving into fresh memory"
     )
+    parser.add_argument(
+        "--unmerged", action="store_true", help="add kvserve TCP sending one frame per run"
+    )
     args = parser.parse_args()
     total, run = args.megabytes * MB, args.run_megabytes * MB
     torch.set_num_threads(1)
@@ -213,15 +221,20 @@ def main() -> None:
         return pipe
 
     raw_pipe = peer(_socket_receiver, total)
-    tcp_pipe = peer(_tcp_sender, total, run)
+    tcp_pipe = peer(_tcp_sender, total, run, MERGE_BYTES)
     raw_port, tcp_port = raw_pipe.recv(), tcp_pipe.recv()
+    receivers = [TCPKVReceiver(LAYOUT, frame_timeout_s=60.0) for _ in range(3)]
     paths: dict[str, Callable[[], float]] = {
         "memcpy": lambda: memcpy_rate(total, run),
         "raw socket": lambda: socket_rate(raw_pipe, raw_port, total, run),
-        "kvserve TCP": lambda: tcp_rate(tcp_port, total),
+        "kvserve TCP": lambda: tcp_rate(tcp_port, total, receivers[0]),
     }
+    if args.unmerged:
+        unmerged_port = peer(_tcp_sender, total, run, 0).recv()
+        paths["kvserve, unmerged"] = lambda: tcp_rate(unmerged_port, total, receivers[1])
     if args.fresh_memory:
-        paths["kvserve, fresh"] = lambda: tcp_rate(tcp_port, total, reuse=False)
+        receivers[2].buffers = RunBuffers(keep_bytes=0)
+        paths["kvserve, fresh"] = lambda: tcp_rate(tcp_port, total, receivers[2])
     if not args.no_mooncake:
         from mooncake.engine import TransferEngine
 

@@ -12,7 +12,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import httpx
 import orjson
@@ -22,6 +22,8 @@ from kvserve.engine.pd_import import DEFAULT_LEASE_TTL_S
 from kvserve.router.local_fleet import KVSERVE_COMMAND, ServerProcess
 from tests.support.metrics_text import by_label, samples
 from tests.support.ports import free_port
+
+T = TypeVar("T")
 
 NUM_BLOCKS = 512
 GREEDY = {"model": "tiny", "temperature": 0, "ignore_eos": True, "max_tokens": 12}
@@ -249,8 +251,8 @@ def router_requests_on(fleet: Fleet, worker: ServerProcess) -> float:
 CATCH_ATTEMPTS = 5
 
 
-def _catch(attempt: Callable[[int], Callable[[], bool]], caught: Callable[[], bool]) -> None:
-    """Start requests until one is seen in the state ``caught`` tells.
+def _catch(attempt: Callable[[int], Callable[[], bool]], caught: Callable[[], T | None]) -> T:
+    """Start requests until one is seen in the state ``caught`` finds (what it returns).
 
     ``attempt(n)`` starts the n-th request, with a prompt of its own, and returns whether
     that request has got past the state. The states these tests cut into (a prefill
@@ -262,13 +264,13 @@ def _catch(attempt: Callable[[int], Callable[[], bool]], caught: Callable[[], bo
     for n in range(CATCH_ATTEMPTS):
         past = attempt(n)
         deadline = time.monotonic() + 60
-        while not caught():
+        while (found := caught()) is None:
             if past():
                 break
             assert time.monotonic() < deadline, f"request {n} neither seen nor done in 60 s"
             time.sleep(0.005)
         else:
-            return
+            return found
     pytest.fail(f"{CATCH_ATTEMPTS} requests in a row got past the state before it was seen")
 
 
@@ -295,7 +297,7 @@ def test_prefill_worker_load_released_when_its_part_is_done(fleet: Fleet, stream
         threads[-1].start()
         return lambda: not threads[-1].is_alive() or any(load(d)["running"] for d in fleet.decodes)
 
-    _catch(attempt, lambda: router_requests_on(fleet, fleet.prefill) > 0)
+    _catch(attempt, lambda: True if router_requests_on(fleet, fleet.prefill) > 0 else None)
     deadline = time.monotonic() + 60
     while router_requests_on(fleet, fleet.prefill) > 0:
         assert time.monotonic() < deadline, "the prefill worker's load was never released"
@@ -341,16 +343,19 @@ def _in_background(url: str, prompt: str) -> tuple[threading.Thread, list[Any]]:
     return thread, result
 
 
-def _catch_mid_transfer(fleet: Fleet, tag: str) -> tuple[threading.Thread, list[Any]]:
-    """A request to ``fleet``'s router, in the background, caught mid-transfer."""
+def _catch_mid_transfer(
+    fleet: Fleet, tag: str
+) -> tuple[threading.Thread, list[Any], ServerProcess]:
+    """A request to ``fleet``'s router, in the background, caught mid-transfer; the decode
+    worker it was caught on."""
     started: list[tuple[threading.Thread, list[Any]]] = []
 
     def attempt(n: int) -> Callable[[], bool]:
         started.append(_in_background(fleet.router.url, _long_prompt(f"{tag}{n}")))
         return lambda: not started[-1][0].is_alive()
 
-    _catch(attempt, lambda: _reserving_decode(fleet) is not None)
-    return started[-1]
+    decode = _catch(attempt, lambda: _reserving_decode(fleet))
+    return (*started[-1], decode)
 
 
 def test_client_cut_mid_transfer_releases_everything(fleet: Fleet) -> None:
@@ -370,7 +375,7 @@ def test_client_cut_mid_transfer_releases_everything(fleet: Fleet) -> None:
         return lambda: bool(select.select([client], [], [], 0)[0])
 
     try:
-        _catch(attempt, lambda: _reserving_decode(fleet) is not None)
+        _catch(attempt, lambda: _reserving_decode(fleet))
     finally:
         for client in clients:
             client.close()
@@ -382,9 +387,7 @@ def test_client_cut_mid_transfer_releases_everything(fleet: Fleet) -> None:
 
 
 def test_decode_worker_killed_mid_transfer(fleet: Fleet) -> None:
-    thread, result = _catch_mid_transfer(fleet, "dkill")
-    victim = _reserving_decode(fleet)
-    assert victim is not None, "the transfer ended before the kill"
+    thread, result, victim = _catch_mid_transfer(fleet, "dkill")
     victim.kill()
     thread.join(60)
     assert result[0].status_code == 200  # nothing had reached the client: retried elsewhere
@@ -394,7 +397,7 @@ def test_decode_worker_killed_mid_transfer(fleet: Fleet) -> None:
 
 
 def test_prefill_worker_killed_mid_request(fleet: Fleet) -> None:
-    thread, result = _catch_mid_transfer(fleet, "pkill")
+    thread, result, _ = _catch_mid_transfer(fleet, "pkill")
     fleet.prefill.kill()
     thread.join(60)
     assert result[0].status_code == 200  # the decode worker prefilled it itself

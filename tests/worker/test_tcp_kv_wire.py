@@ -59,7 +59,7 @@ async def until(condition: Callable[[], bool], what: str, timeout_s: float = 10.
 @pytest.fixture
 async def sender() -> AsyncIterator[tuple[TCPKVSender, HeldExports]]:
     exports = HeldExports()
-    server = TCPKVSender(exports, LAYOUT, "127.0.0.1", request_timeout_s=0.5)
+    server = TCPKVSender(exports, LAYOUT, "127.0.0.1", request_timeout_s=0.5, merge_bytes=0)
     await server.start()
     try:
         yield server, exports
@@ -114,6 +114,49 @@ async def test_runs_follow_their_frames_and_done_ends_the_export(
         ]
         assert await sees_the_end(peer)
     assert exports.aborted == []  # it ended by itself
+
+
+class ReadyExports:
+    """Exports whose runs are all queued before the sending thread looks: a backlog."""
+
+    def __init__(self, runs: list[torch.Tensor]) -> None:
+        self.runs = runs
+
+    async def start(
+        self, export_id: str, token_ids: list[int], first_block: int, num_blocks: int,
+        sink: ExportSink,
+    ) -> None:  # fmt: skip
+        for run in self.runs:
+            sink.blocks(first_block, run)
+            first_block += len(run)
+        sink.done(0)
+
+    def abort(self, export_id: str) -> None:
+        raise AssertionError("a finished export is not aborted")
+
+
+async def test_queued_runs_leave_as_frames_of_up_to_merge_bytes() -> None:
+    runs = [blocks(2, 1.0), blocks(3, 2.0), blocks(3, 3.0)]
+    server = TCPKVSender(
+        ReadyExports(runs), LAYOUT, "127.0.0.1", merge_bytes=5 * LAYOUT.block_nbytes
+    )
+    await server.start()
+    try:
+        with await connect(server.port) as peer:
+            await asyncio.to_thread(send_frame, peer, request())
+            frames = []
+            for _ in range(3):
+                header, payload_len = await asyncio.to_thread(recv_frame_head, peer)
+                payload = await asyncio.to_thread(peer.recv, payload_len, socket.MSG_WAITALL)
+                frames.append((header, payload))
+    finally:
+        await server.close()
+    assert [header for header, _ in frames] == [
+        {"type": "blocks", "first_block": 0, "num_blocks": 5},  # 2 + 3 blocks: 5 at most
+        {"type": "blocks", "first_block": 5, "num_blocks": 3},
+        {"type": "done", "cached_tokens": 0},
+    ]
+    assert frames[0][1] + frames[1][1] == b"".join(bytes(payload_view(run)) for run in runs)
 
 
 async def test_a_hang_up_while_the_engine_computes_aborts_the_export(

@@ -75,13 +75,22 @@ class MooncakeKVSender(TCPKVSender):
     def info(self) -> dict[str, Any]:
         return super().info() | {"transfer": "mooncake", "mooncake_session": self._engine.session}
 
-    def _send_run(
+    def _send_runs(
+        self, sock: socket.socket, request: dict[str, Any], first_block: int,
+        runs: list[torch.Tensor],
+    ) -> None:  # fmt: skip
+        if request.get("mooncake") is None:  # a TCP decode worker
+            super()._send_runs(sock, request, first_block, runs)
+            return
+        for run in runs:
+            self._write_run(sock, request, first_block, run)
+            first_block += len(run)
+
+    def _write_run(
         self, sock: socket.socket, request: dict[str, Any], first_block: int, blocks: torch.Tensor
     ) -> None:
-        target = request.get("mooncake")
-        if target is None:  # a TCP decode worker
-            super()._send_run(sock, request, first_block, blocks)
-            return
+        """One run written into the decode worker's buffer by the engine, then its frame."""
+        target = request["mooncake"]
         source = blocks.contiguous().view(torch.uint8).reshape(-1)
         offset = (first_block - int(request["first_block"])) * self._layout.block_nbytes
         if offset < 0 or offset + source.nbytes > int(target["bytes"]):

@@ -42,16 +42,17 @@ def frame_prefix(header: dict[str, Any], payload_len: int = 0) -> bytes:
     return _PREFIX.pack(_MAGIC, len(encoded), payload_len) + encoded
 
 
-def send_frame(
-    sock: socket.socket, header: dict[str, Any], payload: memoryview | None = None
-) -> None:
-    """One frame; the payload goes from its own memory (``MSG_MORE`` joins the small
-    prefix to its first segment)."""
-    if payload is None or not payload.nbytes:
+def send_frame(sock: socket.socket, header: dict[str, Any], *payloads: memoryview) -> None:
+    """One frame whose payload is ``payloads`` one after the other, each written from its
+    own memory (``MSG_MORE`` joins the small prefix and the parts into full segments)."""
+    parts = [payload for payload in payloads if payload.nbytes]
+    if not parts:
         sock.sendall(frame_prefix(header))
         return
-    sock.sendall(frame_prefix(header, payload.nbytes), socket.MSG_MORE)
-    sock.sendall(payload)
+    sock.sendall(frame_prefix(header, sum(part.nbytes for part in parts)), socket.MSG_MORE)
+    for part in parts[:-1]:
+        sock.sendall(part, socket.MSG_MORE)
+    sock.sendall(parts[-1])
 
 
 def recv_frame_head(sock: socket.socket) -> tuple[dict[str, Any], int]:

@@ -11,8 +11,9 @@ stops waiting.
 
 The bytes move on blocking sockets, each transfer's conversation on threads of its own
 (:class:`~kvserve.worker.blocking_socket.BlockingSocket`): the prefill side writes a run
-from the engine's copy of the blocks with one ``sendall``; the decode side reads it
-with one ``recv_into`` straight into the tensor that is installed. The event loop keeps
+from the engine's copy of the blocks with one ``sendall`` (runs queued behind each other,
+when the engine is ahead of the network, go as one frame); the decode side reads a
+frame's run with one ``recv_into`` straight into the tensor that is installed. The event loop keeps
 what it kept before: accepting, starting and aborting exports, noticing a hang-up while
 the engine computes, per-frame timeouts and cancellation (which closes the socket).
 """
@@ -59,6 +60,10 @@ _Arrival = tuple[int, torch.Tensor] | int | BaseException
 # Memory of installed runs a decode worker keeps for the next ones (run_buffers.py).
 RUN_BUFFER_KEEP_BYTES = 64 << 20
 
+# The most bytes of queued runs the sender joins into one run frame (TCPKVSender._gather):
+# the decode side then reads them with one call (benchmarks/kv_transfer_rate.py).
+MERGE_BYTES = 32 << 20
+
 # After a failed accept (out of descriptors), the sender tries again this much later.
 ACCEPT_RETRY_S = 0.1
 
@@ -92,12 +97,14 @@ class _QueueSink:
 
 class TCPKVSender:
     """Serves the exports of ``exports`` to decode workers, on a free port of ``host``; a
-    connection that sends no request within ``request_timeout_s`` is closed."""
+    connection that sends no request within ``request_timeout_s`` is closed. Runs queued
+    behind each other leave as one frame of up to ``merge_bytes`` (0: one frame a run)."""
 
     def __init__(
         self, exports: ExportSource, layout: KVBlockLayout, host: str,
-        request_timeout_s: float = REQUEST_TIMEOUT_S,
+        request_timeout_s: float = REQUEST_TIMEOUT_S, merge_bytes: int = MERGE_BYTES,
     ) -> None:  # fmt: skip
+        self._merge_bytes = merge_bytes
         self._exports = exports
         self._layout = layout
         self._host = host
@@ -201,10 +208,14 @@ class TCPKVSender:
     ) -> bool:  # fmt: skip
         """Sending thread: write the export's items until it ends; True if it is still
         running (the decode side hung up, or the sender is closing)."""
+        pending: tuple[Any, ...] | None = None
         while True:
-            kind, *rest = items.get()
+            kind, *rest = pending or items.get()
+            pending = None
             if kind == "blocks":
-                self._send_run(sock, request, *rest)
+                runs = [rest[1]]
+                pending = self._gather(items, rest[0], runs)
+                self._send_runs(sock, request, rest[0], runs)
             elif kind == "done":
                 send_frame(sock, {"type": "done", "cached_tokens": rest[0]})
                 return False
@@ -214,12 +225,43 @@ class TCPKVSender:
             else:
                 return True
 
-    def _send_run(
-        self, sock: socket.socket, request: dict[str, Any], first_block: int, blocks: torch.Tensor
-    ) -> None:
-        """Sending thread: one run of blocks; here its bytes follow the frame."""
-        header = {"type": "blocks", "first_block": first_block, "num_blocks": len(blocks)}
-        send_frame(sock, header, payload_view(blocks))
+    def _gather(
+        self, items: queue.SimpleQueue[tuple[Any, ...]], first_block: int,
+        runs: list[torch.Tensor],
+    ) -> tuple[Any, ...] | None:  # fmt: skip
+        """Sending thread: add to ``runs`` (starting at ``first_block``) the runs already
+        queued behind it that continue it, up to ``merge_bytes`` in all, so that a
+        backlog (the engine ahead of the network) leaves in large frames; returns the
+        first queued item it did not take, if any."""
+        next_block = first_block + len(runs[0])
+        nbytes = _nbytes(runs[0])
+        while nbytes < self._merge_bytes:
+            try:
+                item = items.get_nowait()
+            except queue.Empty:
+                return None
+            if item[0] != "blocks" or item[1] != next_block:
+                return item
+            if nbytes + _nbytes(item[2]) > self._merge_bytes:
+                return item
+            runs.append(item[2])
+            next_block += len(item[2])
+            nbytes += _nbytes(item[2])
+        return None
+
+    def _send_runs(
+        self, sock: socket.socket, request: dict[str, Any], first_block: int,
+        runs: list[torch.Tensor],
+    ) -> None:  # fmt: skip
+        """Sending thread: consecutive runs of blocks from ``first_block`` on, as one run
+        frame; here their bytes follow it, each written from its own memory."""
+        count = sum(len(run) for run in runs)
+        header = {"type": "blocks", "first_block": first_block, "num_blocks": count}
+        send_frame(sock, header, *(payload_view(run) for run in runs))
+
+
+def _nbytes(blocks: torch.Tensor) -> int:
+    return blocks.nelement() * blocks.element_size()
 
 
 def _read_request(sock: socket.socket) -> dict[str, Any]:
