@@ -239,10 +239,14 @@ def test_pd_serves_logprobs_and_refuses_several_choices(fleet: Fleet) -> None:
     assert_at_baseline(fleet)
 
 
-def router_requests_on(fleet: Fleet, worker: ServerProcess) -> float:
-    """The router's in-flight requests gauge for one worker."""
+def router_id(fleet: Fleet, worker: ServerProcess) -> str:
     listed = httpx.get(fleet.router.url + "/workers", timeout=5).json()["workers"]
     (worker_id,) = (w["id"] for w in listed if w["url"] == worker.url)
+    return worker_id
+
+
+def router_requests_on(fleet: Fleet, worker_id: str) -> float:
+    """The router's in-flight requests gauge for one worker (one scrape: cheap to poll)."""
     held = by_label(samples(fleet.router.url + "/metrics"), GAUGES[0], "worker")
     return held.get(worker_id, 0.0)
 
@@ -297,9 +301,10 @@ def test_prefill_worker_load_released_when_its_part_is_done(fleet: Fleet, stream
         threads[-1].start()
         return lambda: not threads[-1].is_alive() or any(load(d)["running"] for d in fleet.decodes)
 
-    _catch(attempt, lambda: True if router_requests_on(fleet, fleet.prefill) > 0 else None)
+    prefill = router_id(fleet, fleet.prefill)
+    _catch(attempt, lambda: True if router_requests_on(fleet, prefill) > 0 else None)
     deadline = time.monotonic() + 60
-    while router_requests_on(fleet, fleet.prefill) > 0:
+    while router_requests_on(fleet, prefill) > 0:
         assert time.monotonic() < deadline, "the prefill worker's load was never released"
         time.sleep(0.002)
     decoding = sum(load(d)["running"] for d in fleet.decodes)
