@@ -325,7 +325,7 @@ def _reserving_decode(fleet: Fleet) -> ServerProcess | None:
     worker exports: the request is mid-transfer."""
     if load(fleet.prefill)["running"] == 0:
         return None
-    for decode in fleet.decodes:
+    for decode in (d for d in fleet.decodes if d.alive()):  # one may have been killed
         state = load(decode)
         if state["free_blocks"] + state["cached_blocks"] < NUM_BLOCKS:
             return decode
