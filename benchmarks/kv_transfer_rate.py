@@ -4,10 +4,14 @@ The same bytes (``--megabytes`` of KV, sent as runs of ``--run-megabytes``, as a
 worker sends the runs its steps complete) cross from one process to another three ways,
 side by side in one run:
 
-- **kvserve TCP**: the built-in transfer's path: ``pd_wire`` frames written with their
-  payload on an asyncio stream, read with ``read_frame`` (stream buffer
-  ``READ_LIMIT_BYTES``) and turned into owned blocks (``kv_block_io.from_bytes``'s copy)
-  on the receiving side, as ``TCPKVReceiver`` does;
+- **kvserve TCP**: the built-in transfer itself: a ``TCPKVSender`` in one process serving
+  exports whose runs are all ready (``ReadyExports``: the transfer alone is timed, not the
+  engine), fetched by ``TCPKVReceiver.fetch_from`` in the other (each run read straight
+  into memory from its ``RunBuffers``, handed to an install that keeps nothing), timed
+  from the request to the ``done`` frame (``--fresh-memory`` adds the same into fresh
+  memory for every run: what ``RunBuffers`` saves; ``--unmerged`` adds a sender that
+  writes one frame per run, where the real one joins queued runs into frames of up to
+  ``MERGE_BYTES``, as it does for a backlog);
 - **Mooncake TCP**: the Mooncake Transfer Engine (P2P handshake, ``tcp`` protocol)
   writing each run into the receiver's registered buffer (``transfer_sync_write``), as
   ``MooncakeKVSender`` does, the receiver copying each run out as ``MooncakeKVReceiver``
@@ -15,10 +19,12 @@ side by side in one run:
 - **raw socket**: the same bytes through a blocking loopback socket, ``sendall`` on one
   side and ``recv_into`` a preallocated tensor on the other: what any TCP path here can
   reach at best (the kernel copies each byte in and out);
-- **memcpy**: one process copying the same runs between two tensors (the ceiling).
+- **memcpy**: one process copying the same runs from one tensor into another of the same
+  size (pages touched beforehand): the reference, one copy of each byte.
 
 Run: ``python benchmarks/kv_transfer_rate.py [--megabytes 256] [--run-megabytes 4]
-[--rounds 3]``. Prints GB/s (median of the rounds) and each ratio to memcpy.
+[--rounds 3] [--no-mooncake] [--fresh-memory] [--unmerged]``. The paths alternate round by round;
+prints GB/s (median of the rounds, and every round) and each median's ratio to memcpy's.
 """
 
 from __future__ import annotations
@@ -26,16 +32,25 @@ from __future__ import annotations
 import argparse
 import asyncio
 import multiprocessing as mp
+import os
 import socket
 import statistics
 import time
+from collections.abc import Callable
 from multiprocessing.connection import Connection
 from typing import Any
 
 import torch
 
-from kvserve.worker.pd_wire import frame_prefix, read_frame
-from kvserve.worker.tcp_kv_transfer import READ_LIMIT_BYTES
+from kvserve.engine.kv_block_io import KVBlockLayout
+from kvserve.engine.pd_export import ExportSink
+from kvserve.worker.run_buffers import RunBuffers
+from kvserve.worker.tcp_kv_transfer import (
+    MERGE_BYTES,
+    PayloadLanding,
+    TCPKVReceiver,
+    TCPKVSender,
+)
 
 MB = 1 << 20
 
@@ -55,47 +70,66 @@ def memcpy_rate(total: int, run: int) -> float:
 
 # --- kvserve TCP -------------------------------------------------------------------------
 
+# A KV layout whose blocks are 256 KiB (float16); a run of R MiB is 4 R blocks.
+LAYOUT = KVBlockLayout("bench", num_layers=8, block_size=16, num_kv_heads=4, head_dim=128,
+                       dtype="float16")  # fmt: skip
 
-def _tcp_receiver(pipe: Connection, count: int) -> None:
+
+class ReadyExports:
+    """Exports whose blocks are all computed already: the sender's sink gets every run at
+    once, so the transfer alone is timed."""
+
+    def __init__(self, runs: list[torch.Tensor]) -> None:
+        self._runs = runs
+
+    async def start(
+        self, export_id: str, token_ids: list[int], first_block: int, num_blocks: int,
+        sink: ExportSink, cache_salt: str | None,
+    ) -> None:  # fmt: skip
+        first = 0
+        for run in self._runs:
+            sink.blocks(first, run)
+            first += len(run)
+        sink.done(0)
+
+    def abort(self, export_id: str) -> None:
+        pass
+
+
+def _tcp_sender(pipe: Connection, total: int, run: int, merge_bytes: int) -> None:
+    torch.set_num_threads(1)
+    per_run = run // LAYOUT.block_nbytes
+    blocks = _runs(total, total)[0].view(LAYOUT.torch_dtype).reshape(-1, *LAYOUT.block_shape)
+    runs = [blocks[i : i + per_run] for i in range(0, len(blocks), per_run)]
+
     async def serve() -> None:
-        done = asyncio.Event()
+        sender = TCPKVSender(ReadyExports(runs), LAYOUT, "127.0.0.1", merge_bytes=merge_bytes)
+        await sender.start()
+        pipe.send(sender.port)
+        await asyncio.get_running_loop().run_in_executor(None, pipe.recv)  # until told
+        await sender.close()
 
-        async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-            for _ in range(count):
-                _, payload = await read_frame(reader)
-                torch.frombuffer(bytearray(payload), dtype=torch.uint8)  # from_bytes' copy
-            writer.write(b"k")
-            await writer.drain()
-            writer.close()
-            done.set()
-
-        server = await asyncio.start_server(handle, "127.0.0.1", 0, limit=READ_LIMIT_BYTES)
-        pipe.send(server.sockets[0].getsockname()[1])
-        await done.wait()
-        server.close()
-
-    while pipe.recv():  # one transfer per round
-        asyncio.run(serve())
+    asyncio.run(serve())
 
 
-def tcp_rate(pipe: Connection, total: int, run: int) -> float:
-    runs = _runs(total, run)
+def tcp_rate(port: int, total: int, receiver: TCPKVReceiver) -> float:
+    """The decode side's real path: ``TCPKVReceiver.fetch_from`` reading each run into
+    memory from its ``RunBuffers`` (kept from round to round, as a decode worker keeps
+    them; a receiver keeping none lands every run in fresh memory), handed to an install
+    that keeps nothing."""
+    num_blocks = total // LAYOUT.block_nbytes
 
-    async def send(port: int) -> float:
-        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    async def install(first_block: int, blocks: torch.Tensor) -> None:
+        pass
+
+    async def fetch() -> float:
         started = time.perf_counter()
-        for chunk in runs:
-            view = memoryview(chunk.numpy())
-            writer.write(frame_prefix({"type": "blocks"}, len(view)))
-            writer.write(view)
-            await writer.drain()
-        await reader.readexactly(1)
-        elapsed = time.perf_counter() - started
-        writer.close()
-        return elapsed
+        tokens = [1] * (num_blocks * LAYOUT.block_size + 1)
+        landing = PayloadLanding(LAYOUT, receiver.buffers)
+        await receiver.fetch_from(("127.0.0.1", port), tokens, 0, num_blocks, install, landing)
+        return time.perf_counter() - started
 
-    pipe.send(True)
-    return total / asyncio.run(send(pipe.recv())) / 1e9
+    return total / asyncio.run(fetch()) / 1e9
 
 
 # --- raw socket --------------------------------------------------------------------------
@@ -166,42 +200,68 @@ def main() -> None:
     parser.add_argument("--megabytes", type=int, default=256)
     parser.add_argument("--run-megabytes", type=int, default=4)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--no-mooncake", action="store_true", help="leave Mooncake TCP out")
+    parser.add_argument(
+        "--fresh-memory", action="store_true", help="add kvserve TCP receiving into fresh memory"
+    )
+    parser.add_argument(
+        "--unmerged", action="store_true", help="add kvserve TCP sending one frame per run"
+    )
     args = parser.parse_args()
     total, run = args.megabytes * MB, args.run_megabytes * MB
     torch.set_num_threads(1)
     context = mp.get_context("spawn")
-    tcp_pipe, tcp_child = context.Pipe()
-    mc_pipe, mc_child = context.Pipe()
-    tcp_peer = context.Process(target=_tcp_receiver, args=(tcp_child, total // run), daemon=True)
-    mc_peer = context.Process(target=_mooncake_receiver, args=(mc_child, total, run), daemon=True)
-    raw_pipe, raw_child = context.Pipe()
-    raw_peer = context.Process(target=_socket_receiver, args=(raw_child, total), daemon=True)
-    for peer in (tcp_peer, mc_peer, raw_peer):
-        peer.start()
-    raw_port = raw_pipe.recv()
-    from mooncake.engine import TransferEngine
+    peers: list[tuple[Connection, mp.process.BaseProcess]] = []
 
-    engine = TransferEngine()
-    assert engine.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == 0
-    peer = mc_pipe.recv()
-    names = ("memcpy", "raw socket", "kvserve TCP", "Mooncake TCP")
-    rates: dict[str, list[float]] = {name: [] for name in names}
+    def peer(target: Any, *extra: Any) -> Connection:
+        pipe, child = context.Pipe()
+        process = context.Process(target=target, args=(child, *extra), daemon=True)
+        process.start()
+        peers.append((pipe, process))
+        return pipe
+
+    raw_pipe = peer(_socket_receiver, total)
+    tcp_pipe = peer(_tcp_sender, total, run, MERGE_BYTES)
+    raw_port, tcp_port = raw_pipe.recv(), tcp_pipe.recv()
+    receivers = [TCPKVReceiver(LAYOUT, frame_timeout_s=60.0) for _ in range(3)]
+    paths: dict[str, Callable[[], float]] = {
+        "memcpy": lambda: memcpy_rate(total, run),
+        "raw socket": lambda: socket_rate(raw_pipe, raw_port, total, run),
+        "kvserve TCP": lambda: tcp_rate(tcp_port, total, receivers[0]),
+    }
+    if args.unmerged:
+        unmerged_port = peer(_tcp_sender, total, run, 0).recv()
+        paths["kvserve, unmerged"] = lambda: tcp_rate(unmerged_port, total, receivers[1])
+    if args.fresh_memory:
+        receivers[2].buffers = RunBuffers(keep_bytes=0)
+        paths["kvserve, fresh"] = lambda: tcp_rate(tcp_port, total, receivers[2])
+    if not args.no_mooncake:
+        from mooncake.engine import TransferEngine
+
+        mc_pipe = peer(_mooncake_receiver, total, run)
+        engine = TransferEngine()
+        assert engine.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == 0
+        mc_peer = mc_pipe.recv()
+        paths["Mooncake TCP"] = lambda: mooncake_rate(mc_pipe, engine, mc_peer, total, run)
+    rates: dict[str, list[float]] = {name: [] for name in paths}
+    load_before = os.getloadavg()[0]
     try:
-        for _ in range(args.rounds):
-            rates["memcpy"].append(memcpy_rate(total, run))
-            rates["raw socket"].append(socket_rate(raw_pipe, raw_port, total, run))
-            rates["kvserve TCP"].append(tcp_rate(tcp_pipe, total, run))
-            rates["Mooncake TCP"].append(mooncake_rate(mc_pipe, engine, peer, total, run))
+        for _ in range(args.rounds):  # alternating, so a burst of load hits every path
+            for name, measure in paths.items():
+                rates[name].append(measure())
     finally:
-        for pipe, peer in ((tcp_pipe, tcp_peer), (mc_pipe, mc_peer), (raw_pipe, raw_peer)):
+        for pipe, process in peers:
             pipe.send(False)
-            peer.join(5)
+            process.join(5)
     memcpy = statistics.median(rates["memcpy"])
-    print(f"{args.megabytes} MiB in runs of {args.run_megabytes} MiB, median of {args.rounds}")
-    print(f"{'path':<14}{'GB/s':>8}{'x memcpy':>10}")
+    print(f"{args.megabytes} MiB in runs of {args.run_megabytes} MiB, median of {args.rounds}; "
+          f"load average {load_before:.1f} before, {os.getloadavg()[0]:.1f} after on "
+          f"{os.cpu_count()} CPUs")  # fmt: skip
+    print(f"{'path':<14}{'GB/s':>8}{'x memcpy':>10}   rounds (GB/s)")
     for name, samples in rates.items():
         rate = statistics.median(samples)
-        print(f"{name:<14}{rate:>8.2f}{rate / memcpy:>10.3f}")
+        each = " ".join(f"{sample:.2f}" for sample in samples)
+        print(f"{name:<14}{rate:>8.2f}{rate / memcpy:>10.3f}   {each}")
 
 
 if __name__ == "__main__":

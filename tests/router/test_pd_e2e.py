@@ -6,12 +6,13 @@ All of it twice: over the built-in TCP transfer and over the Mooncake Transfer E
 from __future__ import annotations
 
 import json
+import select
 import socket
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import httpx
 import orjson
@@ -21,6 +22,8 @@ from kvserve.engine.pd_import import DEFAULT_LEASE_TTL_S
 from kvserve.router.local_fleet import KVSERVE_COMMAND, ServerProcess
 from tests.support.metrics_text import by_label, samples
 from tests.support.ports import free_port
+
+T = TypeVar("T")
 
 NUM_BLOCKS = 512
 GREEDY = {"model": "tiny", "temperature": 0, "ignore_eos": True, "max_tokens": 12}
@@ -48,7 +51,7 @@ class Fleet:
         self.model_dir = model_dir
         transfer = ("--kv-transfer", kv_transfer)
         self.prefill = start_worker(
-            model_dir, "--role", "prefill", "--max-num-batched-tokens", "32", *transfer
+            model_dir, "--role", "prefill", "--max-num-batched-tokens", "16", *transfer
         )
         self.decodes = [start_worker(model_dir, "--role", "decode", *transfer) for _ in range(2)]
         self.mixed = start_worker(model_dir)
@@ -249,37 +252,77 @@ def test_pd_serves_logprobs_and_refuses_several_choices(fleet: Fleet) -> None:
     assert_at_baseline(fleet)
 
 
-def router_requests_on(fleet: Fleet, worker: ServerProcess) -> float:
-    """The router's in-flight requests gauge for one worker."""
+def router_id(fleet: Fleet, worker: ServerProcess) -> str:
     listed = httpx.get(fleet.router.url + "/workers", timeout=5).json()["workers"]
     (worker_id,) = (w["id"] for w in listed if w["url"] == worker.url)
+    return worker_id
+
+
+def router_requests_on(fleet: Fleet, worker_id: str) -> float:
+    """The router's in-flight requests gauge for one worker (one scrape: cheap to poll)."""
     held = by_label(samples(fleet.router.url + "/metrics"), GAUGES[0], "worker")
     return held.get(worker_id, 0.0)
+
+
+# How many requests a test starts to catch one in the state it cuts into (see _catch).
+CATCH_ATTEMPTS = 5
+
+
+def _catch(attempt: Callable[[int], Callable[[], bool]], caught: Callable[[], T | None]) -> T:
+    """Start requests until one is seen in the state ``caught`` finds (what it returns).
+
+    ``attempt(n)`` starts the n-th request, with a prompt of its own, and returns whether
+    that request has got past the state. The states these tests cut into (a prefill
+    worker exporting, the router holding it) last as long as a prefill computes: a second
+    or so of a tiny model's steps, while on a loaded box one round of polls can take as
+    long. A request that got past between two polls is no failure, so another one is
+    tried; only one never seen in ``CATCH_ATTEMPTS`` tries fails the test.
+    """
+    for n in range(CATCH_ATTEMPTS):
+        past = attempt(n)
+        deadline = time.monotonic() + 60
+        while (found := caught()) is None:
+            if past():
+                break
+            assert time.monotonic() < deadline, f"request {n} neither seen nor done in 60 s"
+            time.sleep(0.005)
+        else:
+            return found
+    pytest.fail(f"{CATCH_ATTEMPTS} requests in a row got past the state before it was seen")
 
 
 @pytest.mark.parametrize("stream", [False, True])
 def test_prefill_worker_load_released_when_its_part_is_done(fleet: Fleet, stream: bool) -> None:
     """The router holds the prefill worker's load until the decode worker stopped waiting
     for it, not through the decode (a non-streamed answer once held it to its end)."""
-    body = {**GREEDY, "prompt": words(f"release{stream}", 120), "max_tokens": 1500}
-    body["stream"] = stream
+    threads: list[threading.Thread] = []
     result: list[httpx.Response] = []
 
-    def send() -> None:
-        result.append(httpx.post(fleet.router.url + "/v1/completions", json=body, timeout=120))
+    def attempt(n: int) -> Callable[[], bool]:
+        prompt = f"release{stream}{n} {words('w', 600)}"  # ~2,300 tokens: ~145 steps
+        body = {**GREEDY, "prompt": prompt, "max_tokens": 1500}
+        body["stream"] = stream
 
-    thread = threading.Thread(target=send)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while router_requests_on(fleet, fleet.prefill) == 0:
-        assert time.monotonic() < deadline and thread.is_alive(), "the prefill worker never held"
-        time.sleep(0.002)
-    while router_requests_on(fleet, fleet.prefill) > 0:
+        def send() -> None:
+            answer = httpx.post(fleet.router.url + "/v1/completions", json=body, timeout=120)
+            result.append(answer)
+
+        for earlier in threads:  # it got past the hold: it finishes before the next starts
+            earlier.join(120)
+        result.clear()
+        threads.append(threading.Thread(target=send))
+        threads[-1].start()
+        return lambda: not threads[-1].is_alive() or any(load(d)["running"] for d in fleet.decodes)
+
+    prefill = router_id(fleet, fleet.prefill)
+    _catch(attempt, lambda: True if router_requests_on(fleet, prefill) > 0 else None)
+    deadline = time.monotonic() + 60
+    while router_requests_on(fleet, prefill) > 0:
         assert time.monotonic() < deadline, "the prefill worker's load was never released"
         time.sleep(0.002)
     decoding = sum(load(d)["running"] for d in fleet.decodes)
-    answered_by_then = not thread.is_alive()
-    thread.join(120)
+    answered_by_then = not threads[-1].is_alive()
+    threads[-1].join(120)
     assert not answered_by_then and decoding == 1  # released while the decode ran on
     assert result[0].status_code == 200
     assert result[0].headers["x-kvserve-pd"] == "remote"
@@ -287,39 +330,19 @@ def test_prefill_worker_load_released_when_its_part_is_done(fleet: Fleet, stream
 
 
 def _long_prompt(tag: str) -> str:
-    return f"{tag} {words('w', 800)}"  # about 3,000 tokens: ~95 prefill steps of 32 tokens
+    return f"{tag} {words('w', 1000)}"  # ~3,800 tokens: ~240 prefill steps of 16 tokens
 
 
-def _wait_for_prefill_running(fleet: Fleet) -> None:
-    deadline = time.monotonic() + 20
-    while load(fleet.prefill)["running"] == 0:
-        assert time.monotonic() < deadline, "the prefill worker never started the export:\n" + (
-            "\n".join(w.log_tail() for w in [*fleet.workers, fleet.router] if w.alive())
-        )
-        time.sleep(0.01)
-
-
-def test_client_cut_mid_transfer_releases_everything(fleet: Fleet) -> None:
-    body = orjson.dumps({**GREEDY, "prompt": _long_prompt("cut"), "stream": True})
-    host, port = fleet.router.url.removeprefix("http://").split(":")
-    with socket.create_connection((host, int(port))) as client:
-        client.sendall(
-            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-            + f"Content-Length: {len(body)}\r\n\r\n".encode()
-            + body
-        )
-        _wait_for_prefill_running(fleet)
-        reserved = [
-            d
-            for d in fleet.decodes
-            if (s := load(d))["free_blocks"] + s["cached_blocks"] < NUM_BLOCKS
-        ]
-        assert reserved, "no decode worker holds a reservation"  # leased blocks, mid-transfer
-    cut_at = time.monotonic()
-    assert_at_baseline(fleet)
-    # Released when the client left, not when the lease lapsed.
-    assert time.monotonic() - cut_at < DEFAULT_LEASE_TTL_S / 3
-    assert complete(fleet.router.url, words("after-cut", 100)).status_code == 200
+def _reserving_decode(fleet: Fleet) -> ServerProcess | None:
+    """A decode worker holding leased blocks (neither free nor cached) while the prefill
+    worker exports: the request is mid-transfer."""
+    if load(fleet.prefill)["running"] == 0:
+        return None
+    for decode in (d for d in fleet.decodes if d.alive()):  # one may have been killed
+        state = load(decode)
+        if state["free_blocks"] + state["cached_blocks"] < NUM_BLOCKS:
+            return decode
+    return None
 
 
 def _in_background(url: str, prompt: str) -> tuple[threading.Thread, list[Any]]:
@@ -338,11 +361,51 @@ def _in_background(url: str, prompt: str) -> tuple[threading.Thread, list[Any]]:
     return thread, result
 
 
+def _catch_mid_transfer(
+    fleet: Fleet, tag: str
+) -> tuple[threading.Thread, list[Any], ServerProcess]:
+    """A request to ``fleet``'s router, in the background, caught mid-transfer; the decode
+    worker it was caught on."""
+    started: list[tuple[threading.Thread, list[Any]]] = []
+
+    def attempt(n: int) -> Callable[[], bool]:
+        started.append(_in_background(fleet.router.url, _long_prompt(f"{tag}{n}")))
+        return lambda: not started[-1][0].is_alive()
+
+    decode = _catch(attempt, lambda: _reserving_decode(fleet))
+    return (*started[-1], decode)
+
+
+def test_client_cut_mid_transfer_releases_everything(fleet: Fleet) -> None:
+    host, port = fleet.router.url.removeprefix("http://").split(":")
+    clients: list[socket.socket] = []
+
+    def attempt(n: int) -> Callable[[], bool]:
+        body = orjson.dumps({**GREEDY, "prompt": _long_prompt(f"cut{n}"), "stream": True})
+        client = socket.create_connection((host, int(port)))
+        clients.append(client)
+        client.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            + f"Content-Length: {len(body)}\r\n\r\n".encode()
+            + body
+        )
+        # A PD stream's headers leave once the KV is installed: the transfer is over.
+        return lambda: bool(select.select([client], [], [], 0)[0])
+
+    try:
+        _catch(attempt, lambda: _reserving_decode(fleet))
+    finally:
+        for client in clients:
+            client.close()
+    cut_at = time.monotonic()
+    assert_at_baseline(fleet)
+    # Released when the client left, not when the lease lapsed.
+    assert time.monotonic() - cut_at < DEFAULT_LEASE_TTL_S / 3
+    assert complete(fleet.router.url, words("after-cut", 100)).status_code == 200
+
+
 def test_decode_worker_killed_mid_transfer(fleet: Fleet) -> None:
-    free = {d.url: load(d)["free_blocks"] for d in fleet.decodes}
-    thread, result = _in_background(fleet.router.url, _long_prompt("dkill"))
-    _wait_for_prefill_running(fleet)
-    victim = next(d for d in fleet.decodes if load(d)["free_blocks"] < free[d.url])  # reserved
+    thread, result, victim = _catch_mid_transfer(fleet, "dkill")
     victim.kill()
     thread.join(60)
     assert result[0].status_code == 200  # nothing had reached the client: retried elsewhere
@@ -352,8 +415,7 @@ def test_decode_worker_killed_mid_transfer(fleet: Fleet) -> None:
 
 
 def test_prefill_worker_killed_mid_request(fleet: Fleet) -> None:
-    thread, result = _in_background(fleet.router.url, _long_prompt("pkill"))
-    _wait_for_prefill_running(fleet)
+    thread, result, _ = _catch_mid_transfer(fleet, "pkill")
     fleet.prefill.kill()
     thread.join(60)
     assert result[0].status_code == 200  # the decode worker prefilled it itself

@@ -19,7 +19,7 @@ from kvserve.engine.pd_export import PDExporter
 from kvserve.engine.pd_import import PDImporter, pd_importer
 from kvserve.worker.engine_bridge import EngineBridge
 from kvserve.worker.engine_state import probe_engine
-from kvserve.worker.kv_transfer import KVTransferError
+from kvserve.worker.kv_transfer import EngineExports, KVTransferError
 from kvserve.worker.tcp_kv_transfer import TCPKVReceiver, TCPKVSender
 from tests.support.ports import free_port
 
@@ -45,7 +45,7 @@ async def prefill_url(tiny_model_dir: Path) -> AsyncIterator[str]:
                        **OPTIONS)  # fmt: skip
     bridge = EngineBridge(engine, probe_engine)
     bridge.start()
-    sender = TCPKVSender(bridge, engine.connector(PDExporter).layout, "127.0.0.1")
+    sender = TCPKVSender(EngineExports(bridge), engine.connector(PDExporter).layout, "127.0.0.1")
     await sender.start()
 
     async def info(_: web.Request) -> web.Response:

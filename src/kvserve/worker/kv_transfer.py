@@ -14,17 +14,59 @@ transfer engine) implements these two classes and plugs in beside it
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
-# Writes a run of received blocks (first block index, blocks) into the reservation.
+from kvserve.engine.pd_export import ExportSink, start_export
+from kvserve.worker.engine_bridge import EngineBridge
+
+if TYPE_CHECKING:
+    from kvserve.engine.llm_engine import LLMEngine
+
+# Writes a run of received blocks (first block index, blocks) into the reservation. The
+# blocks' memory is reused for later runs once it returns: it must keep no reference.
 InstallRun = Callable[[int, torch.Tensor], Awaitable[None]]
 
 
 class KVTransferError(RuntimeError):
     """The transfer failed (peer unreachable, gone, stalled or refusing; a run that does
     not fit the reservation): the decode worker prefills the prompt itself."""
+
+
+class ExportSource(Protocol):
+    """What a sender serves: exports of prompts' blocks, each handed to its sink as the
+    blocks are computed. :class:`EngineExports` in a worker; a benchmark feeds ready
+    blocks to measure the transfer alone."""
+
+    async def start(
+        self, export_id: str, token_ids: list[int], first_block: int, num_blocks: int,
+        sink: ExportSink, cache_salt: str | None,
+    ) -> None:  # fmt: skip
+        """Begin the export (its blocks keyed by ``cache_salt``, as the decode side's
+        are); raises on a request the engine refuses."""
+
+    def abort(self, export_id: str) -> None:
+        """Drop a started export (its sink hears nothing more that matters)."""
+
+
+class EngineExports:
+    """Exports computed by the engine behind ``bridge`` (built with a ``PDExporter``)."""
+
+    def __init__(self, bridge: EngineBridge) -> None:
+        self._bridge = bridge
+
+    async def start(
+        self, export_id: str, token_ids: list[int], first_block: int, num_blocks: int,
+        sink: ExportSink, cache_salt: str | None,
+    ) -> None:  # fmt: skip
+        def start(engine: LLMEngine) -> None:
+            start_export(engine, export_id, token_ids, first_block, num_blocks, sink, cache_salt)
+
+        await self._bridge.call(start)
+
+    def abort(self, export_id: str) -> None:
+        self._bridge.post(lambda engine: engine.abort_request(export_id))
 
 
 class KVTransferSender(Protocol):

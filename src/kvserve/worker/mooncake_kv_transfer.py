@@ -20,15 +20,17 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import socket
 from collections.abc import Iterator
 from typing import Any
 
 import torch
 from mooncake.engine import TransferEngine
 
-from kvserve.engine.kv_block_io import KVBlockLayout, from_bytes
-from kvserve.worker.engine_bridge import EngineBridge
-from kvserve.worker.pd_wire import frame_prefix
+from kvserve.engine.kv_block_io import KVBlockLayout
+from kvserve.worker.kv_transfer import ExportSource
+from kvserve.worker.pd_wire import send_frame
+from kvserve.worker.run_buffers import RunBuffers
 from kvserve.worker.tcp_kv_transfer import Landing, PayloadLanding, TCPKVReceiver, TCPKVSender
 
 # After a failed or cancelled transfer the prefill side may still be writing into the
@@ -65,50 +67,58 @@ class MooncakeKVSender(TCPKVSender):
     """A prefill worker's side: TCP control connections, bytes written by the engine."""
 
     def __init__(
-        self, bridge: EngineBridge, layout: KVBlockLayout, host: str, engine: MooncakeEngine
+        self, exports: ExportSource, layout: KVBlockLayout, host: str, engine: MooncakeEngine
     ) -> None:
-        super().__init__(bridge, layout, host)
+        super().__init__(exports, layout, host)
         self._engine = engine
 
     def info(self) -> dict[str, Any]:
         return super().info() | {"transfer": "mooncake", "mooncake_session": self._engine.session}
 
-    async def _send_run(
-        self,
-        request: dict[str, Any],
-        writer: asyncio.StreamWriter,
-        first_block: int,
-        blocks: torch.Tensor,
-    ) -> None:
-        target = request.get("mooncake")
-        if target is None:  # a TCP decode worker
-            await super()._send_run(request, writer, first_block, blocks)
+    def _send_runs(
+        self, sock: socket.socket, request: dict[str, Any], first_block: int,
+        runs: list[torch.Tensor],
+    ) -> None:  # fmt: skip
+        if request.get("mooncake") is None:  # a TCP decode worker
+            super()._send_runs(sock, request, first_block, runs)
             return
+        for run in runs:
+            self._write_run(sock, request, first_block, run)
+            first_block += len(run)
+
+    def _write_run(
+        self, sock: socket.socket, request: dict[str, Any], first_block: int, blocks: torch.Tensor
+    ) -> None:
+        """One run written into the decode worker's buffer by the engine, then its frame."""
+        target = request["mooncake"]
         source = blocks.contiguous().view(torch.uint8).reshape(-1)
         offset = (first_block - int(request["first_block"])) * self._layout.block_nbytes
         if offset < 0 or offset + source.nbytes > int(target["bytes"]):
             raise ValueError(f"run at block {first_block} does not fit the decode buffer")
         self._engine.register(source)
         try:
-            code = await asyncio.to_thread(
-                self._engine.write, str(target["session"]), source, int(target["address"]) + offset
+            code = self._engine.write(
+                str(target["session"]), source, int(target["address"]) + offset
             )
         finally:
             self._engine.unregister(source)
         if code != 0:  # the decode worker is gone: drop the export, as a hang-up would
             raise OSError(f"mooncake write to {target['session']} failed: {code}")
         header = {"type": "blocks", "first_block": first_block, "num_blocks": len(blocks)}
-        writer.write(frame_prefix(header | {"placed": True}))
-        await writer.drain()
+        send_frame(sock, header | {"placed": True})
 
 
 class _BufferLanding:
     """One transfer's registered buffer: runs are written into it by the prefill side."""
 
-    def __init__(self, layout: KVBlockLayout, engine: MooncakeEngine, buffer: torch.Tensor) -> None:
+    def __init__(
+        self, layout: KVBlockLayout, engine: MooncakeEngine, buffer: torch.Tensor,
+        buffers: RunBuffers,
+    ) -> None:  # fmt: skip
         self._layout = layout
         self._engine = engine
         self._buffer = buffer
+        self._buffers = buffers
         self._first_block = 0
 
     def request_fields(self) -> dict[str, Any]:
@@ -123,15 +133,20 @@ class _BufferLanding:
     def start(self, first_block: int) -> None:
         self._first_block = first_block
 
-    def run_blocks(self, header: dict[str, Any], payload: bytes) -> torch.Tensor:
+    def run_blocks(
+        self, header: dict[str, Any], payload_len: int, sock: socket.socket
+    ) -> torch.Tensor:
         if not header.get("placed"):  # a TCP prefill worker sent the bytes in the frame
-            return from_bytes(self._layout, payload)
+            return PayloadLanding(self._layout, self._buffers).run_blocks(header, payload_len, sock)
+        if payload_len:
+            raise ValueError(f"a placed run {header!r} with a payload")
         size = self._layout.block_nbytes
         start = (int(header["first_block"]) - self._first_block) * size
         end = start + int(header["num_blocks"]) * size
         if start < 0 or end > self._buffer.nbytes:
             raise ValueError(f"run {header!r} lies outside the transfer buffer")
-        run = self._buffer[start:end].clone()  # the caller owns it; the buffer is reused
+        run = self._buffers.take(end - start)  # the transfer buffer is written on meanwhile
+        run.copy_(self._buffer[start:end])
         return run.view(self._layout.torch_dtype).reshape(-1, *self._layout.block_shape)
 
 
@@ -152,11 +167,11 @@ class MooncakeKVReceiver(TCPKVReceiver):
     def _landing(self, first_block: int, num_blocks: int) -> Iterator[Landing]:
         size = (num_blocks - first_block) * self._layout.block_nbytes
         if size <= 0:
-            yield PayloadLanding(self._layout)
+            yield PayloadLanding(self._layout, self.buffers)
             return
         buffer = torch.empty(size, dtype=torch.uint8)
         self._engine.register(buffer)
-        landing = _BufferLanding(self._layout, self._engine, buffer)
+        landing = _BufferLanding(self._layout, self._engine, buffer, self.buffers)
         landing.start(first_block)
         finished = False
         try:

@@ -31,7 +31,7 @@ from kvserve.engine.pd_import import PDImporter, pd_importer
 from kvserve.worker.config import WorkerConfig
 from kvserve.worker.engine_bridge import EngineBridge
 from kvserve.worker.json_response import JSONResponse
-from kvserve.worker.kv_transfer import KVTransferReceiver, KVTransferSender
+from kvserve.worker.kv_transfer import EngineExports, KVTransferReceiver, KVTransferSender
 from kvserve.worker.metrics import WorkerMetrics
 from kvserve.worker.openai_api import OpenAIEndpoints
 from kvserve.worker.pd_decode import PDDecodeSession
@@ -63,8 +63,8 @@ def transfer_sender(
         from kvserve.worker.mooncake_kv_transfer import MooncakeEngine, MooncakeKVSender
 
         engine = MooncakeEngine(config.host)
-        return MooncakeKVSender(bridge, exporter.layout, config.host, engine)
-    return TCPKVSender(bridge, exporter.layout, config.host)
+        return MooncakeKVSender(EngineExports(bridge), exporter.layout, config.host, engine)
+    return TCPKVSender(EngineExports(bridge), exporter.layout, config.host)
 
 
 def transfer_receiver(config: WorkerConfig, importer: PDImporter) -> KVTransferReceiver:

@@ -12,11 +12,15 @@ connection opened by the decode worker:
   ``{"type": "error", "message"}``.
 
 Either side closing the connection cancels the transfer.
+
+Both sides speak it on blocking sockets (:mod:`kvserve.worker.blocking_socket`): a
+payload is written from the blocks' own memory and read straight into the tensor that
+keeps it, so Python copies no KV byte; the kernel copies each once in and once out.
 """
 
 from __future__ import annotations
 
-import asyncio
+import socket
 import struct
 from typing import Any
 
@@ -38,16 +42,43 @@ def frame_prefix(header: dict[str, Any], payload_len: int = 0) -> bytes:
     return _PREFIX.pack(_MAGIC, len(encoded), payload_len) + encoded
 
 
-async def read_frame(reader: asyncio.StreamReader) -> tuple[dict[str, Any], bytes]:
-    """The next frame's header and payload; ``IncompleteReadError`` if the peer hung up."""
-    magic, header_len, payload_len = _PREFIX.unpack(await reader.readexactly(_PREFIX.size))
+def send_frame(sock: socket.socket, header: dict[str, Any], *payloads: memoryview) -> None:
+    """One frame whose payload is ``payloads`` one after the other, each written from its
+    own memory (``MSG_MORE`` joins the small prefix and the parts into full segments)."""
+    parts = [payload for payload in payloads if payload.nbytes]
+    if not parts:
+        sock.sendall(frame_prefix(header))
+        return
+    sock.sendall(frame_prefix(header, sum(part.nbytes for part in parts)), socket.MSG_MORE)
+    for part in parts[:-1]:
+        sock.sendall(part, socket.MSG_MORE)
+    sock.sendall(parts[-1])
+
+
+def recv_frame_head(sock: socket.socket) -> tuple[dict[str, Any], int]:
+    """The next frame's header and payload length; the caller reads the payload
+    (:func:`recv_into`). ``ConnectionError`` if the peer hung up."""
+    prefix = bytearray(_PREFIX.size)
+    recv_into(sock, memoryview(prefix))
+    magic, header_len, payload_len = _PREFIX.unpack(prefix)
     if magic != _MAGIC or header_len > MAX_HEADER_BYTES or payload_len > MAX_PAYLOAD_BYTES:
-        raise ProtocolError(f"bad frame prefix {magic!r} {header_len} {payload_len}")
+        raise ProtocolError(f"bad frame prefix {bytes(magic)!r} {header_len} {payload_len}")
+    encoded = bytearray(header_len)
+    recv_into(sock, memoryview(encoded))
     try:
-        header = orjson.loads(await reader.readexactly(header_len))
+        header = orjson.loads(encoded)
     except orjson.JSONDecodeError as exc:
         raise ProtocolError(f"bad frame header: {exc}") from exc
     if not isinstance(header, dict) or not isinstance(header.get("type"), str):
         raise ProtocolError(f"frame header without a type: {header!r}")
-    payload = await reader.readexactly(payload_len) if payload_len else b""
-    return header, payload
+    return header, payload_len
+
+
+def recv_into(sock: socket.socket, target: memoryview) -> None:
+    """Fill ``target`` from the socket: one system call unless a signal cuts it short."""
+    target = target.cast("B")
+    while target.nbytes:
+        received = sock.recv_into(target, target.nbytes, socket.MSG_WAITALL)
+        if received == 0:
+            raise ConnectionResetError("the peer closed the connection mid-frame")
+        target = target[received:]

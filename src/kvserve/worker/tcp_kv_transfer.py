@@ -4,48 +4,75 @@ The decode worker learns the prefill worker's transfer address from its ``/pd/in
 connects, asks for a prompt's blocks (:mod:`pd_wire`), and installs each run as it
 arrives; the prefill worker computes the prompt on its engine thread and writes each run
 of blocks as soon as the engine hands it over, so the network works while later chunks
-compute. The connection is the transfer's lifetime: when the decode
-side hangs up (client gone, lease lapsed, decode worker dead) the prefill worker drops
-the export at once, and when the prefill side dies the decode worker sees the
-connection end and stops waiting.
+compute. The connection is the transfer's lifetime: when the decode side hangs up
+(client gone, lease lapsed, decode worker dead) the prefill worker drops the export at
+once, and when the prefill side dies the decode worker sees the connection end and
+stops waiting.
+
+The bytes move on blocking sockets, each transfer's conversation on threads of its own
+(:class:`~kvserve.worker.blocking_socket.BlockingSocket`): the prefill side writes a run
+from the engine's copy of the blocks with one ``sendall`` (runs queued behind each other,
+when the engine is ahead of the network, go as one frame); the decode side reads a
+frame's run with one ``recv_into`` straight into the tensor that is installed. The event loop keeps
+what it kept before: accepting, starting and aborting exports, noticing a hang-up while
+the engine computes, per-frame timeouts and cancellation (which closes the socket).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import itertools
-from typing import TYPE_CHECKING, Any, Protocol
+import logging
+import queue
+import socket
+from collections.abc import Callable
+from typing import Any, Protocol
 
 import aiohttp
 import torch
 
 from kvserve.core.sampling_params import InvalidParameterError
-from kvserve.engine.kv_block_io import KVBlockLayout, from_bytes, payload_view
-from kvserve.engine.pd_export import start_export
-from kvserve.worker.engine_bridge import EngineBridge
-from kvserve.worker.kv_transfer import InstallRun, KVTransferError
-from kvserve.worker.pd_wire import ProtocolError, frame_prefix, read_frame
+from kvserve.engine.kv_block_io import KVBlockLayout, payload_view
+from kvserve.worker.blocking_socket import BlockingSocket
+from kvserve.worker.kv_transfer import ExportSource, InstallRun, KVTransferError
+from kvserve.worker.pd_wire import ProtocolError, recv_frame_head, recv_into, send_frame
+from kvserve.worker.run_buffers import RunBuffers
 
-if TYPE_CHECKING:
-    from kvserve.engine.llm_engine import LLMEngine
+logger = logging.getLogger(__name__)
 
 _TRANSFER_ERRORS = (
-    OSError,  # refused, reset, unreachable
-    asyncio.IncompleteReadError,  # the peer hung up mid-frame
+    OSError,  # refused, reset, unreachable, the peer hung up mid-frame
     TimeoutError,
     ProtocolError,
     ValueError,  # a layout mismatch, a run that does not fit the reservation
+    TypeError,  # a frame header whose fields have the wrong types
     RuntimeError,  # the prefill side's error frame, a lapsed lease
     aiohttp.ClientError,  # the prefill worker's /pd/info
     KeyError,  # a /pd/info without a transfer address
 )
 
+# What the receiving thread hands the event loop: a run (first block, blocks), the
+# transfer's end (cached tokens) or what failed it.
+_Arrival = tuple[int, torch.Tensor] | int | BaseException
 
-# The decode side's stream buffer. asyncio's default (64 KiB) pauses and resumes the
-# socket every 128 KiB of a multi-MiB run: twice the loop wake-ups, half the throughput
-# (benchmarks/kv_transfer_rate.py).
-READ_LIMIT_BYTES = 8 << 20
+# Memory of installed runs a decode worker keeps for the next ones (run_buffers.py).
+RUN_BUFFER_KEEP_BYTES = 64 << 20
+
+# The most bytes of queued runs the sender joins into one run frame (TCPKVSender._gather):
+# the decode side then reads them with one call (benchmarks/kv_transfer_rate.py).
+MERGE_BYTES = 32 << 20
+
+# After a failed accept (out of descriptors), the sender tries again this much later.
+ACCEPT_RETRY_S = 0.1
+
+# How long a prefill worker waits for a connection's request before hanging up.
+REQUEST_TIMEOUT_S = 30.0
+
+# What the prefill side's sending thread is told besides the export's items.
+_HUNG_UP = ("hung_up",)
+_CLOSED = ("closed",)
 
 
 class PrefillFailed(RuntimeError):
@@ -53,138 +80,197 @@ class PrefillFailed(RuntimeError):
 
 
 class _QueueSink:
-    """An export's sink: engine-thread calls become items on an asyncio queue."""
+    """An export's sink: the engine thread's calls become items for the sending thread."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, queue: asyncio.Queue[Any]) -> None:
-        self._loop = loop
-        self._queue = queue
+    def __init__(self, items: queue.SimpleQueue[tuple[Any, ...]]) -> None:
+        self._items = items
 
     def blocks(self, first_block: int, blocks: torch.Tensor) -> None:
-        self._loop.call_soon_threadsafe(self._queue.put_nowait, ("blocks", first_block, blocks))
+        self._items.put(("blocks", first_block, blocks))
 
     def done(self, cached_tokens: int) -> None:
-        self._loop.call_soon_threadsafe(self._queue.put_nowait, ("done", cached_tokens))
+        self._items.put(("done", cached_tokens))
 
     def failed(self, message: str) -> None:
-        self._loop.call_soon_threadsafe(self._queue.put_nowait, ("error", message))
+        self._items.put(("error", message))
 
 
 class TCPKVSender:
-    """Serves exports of the engine behind ``bridge`` (built with a ``PDExporter``) to
-    decode workers, on a free port of ``host``."""
+    """Serves the exports of ``exports`` to decode workers, on a free port of ``host``; a
+    connection that sends no request within ``request_timeout_s`` is closed. Runs queued
+    behind each other leave as one frame of up to ``merge_bytes`` (0: one frame a run)."""
 
-    def __init__(self, bridge: EngineBridge, layout: KVBlockLayout, host: str) -> None:
-        self._bridge = bridge
+    def __init__(
+        self, exports: ExportSource, layout: KVBlockLayout, host: str,
+        request_timeout_s: float = REQUEST_TIMEOUT_S, merge_bytes: int = MERGE_BYTES,
+    ) -> None:  # fmt: skip
+        self._merge_bytes = merge_bytes
+        self._exports = exports
         self._layout = layout
         self._host = host
-        self._server: asyncio.Server | None = None
-        self._connections: set[asyncio.Task[Any]] = set()
+        self._request_timeout_s = request_timeout_s
+        self._listener: socket.socket | None = None
+        self._accepting: asyncio.Task[None] | None = None
+        self._connections: set[asyncio.Task[None]] = set()
         self._export_ids = itertools.count()
         self.port = 0
 
     async def start(self) -> None:
-        self._server = await asyncio.start_server(self._serve, self._host, 0)
-        self.port = self._server.sockets[0].getsockname()[1]
+        loop = asyncio.get_running_loop()
+        found = await loop.getaddrinfo(
+            self._host, 0, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )
+        listener = socket.create_server((self._host, 0), family=found[0][0])
+        listener.setblocking(False)
+        self._listener = listener
+        self.port = listener.getsockname()[1]
+        self._accepting = asyncio.ensure_future(self._accept(listener))
 
     def info(self) -> dict[str, Any]:
         return {"transfer_host": self._host, "transfer_port": self.port}
 
     async def close(self) -> None:
         """Stop listening and cancel every transfer (their exports are dropped)."""
-        if self._server is not None:
-            self._server.close()
+        if self._accepting is not None:
+            self._accepting.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._accepting
+        if self._listener is not None:
+            self._listener.close()
         for task in list(self._connections):
             task.cancel()
         await asyncio.gather(*self._connections, return_exceptions=True)
 
-    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        task = asyncio.current_task()
-        assert task is not None
-        self._connections.add(task)
+    async def _accept(self, listener: socket.socket) -> None:
+        """Serve each connection in a task of its own. A connection that fails before it
+        is served (reset while queued, out of descriptors) is dropped; the loop goes on:
+        were it to end, decode workers' connections would queue unserved until their
+        frame timeout."""
+        loop = asyncio.get_running_loop()
+        while True:
+            try:
+                sock, _ = await loop.sock_accept(listener)
+            except OSError as exc:
+                logger.warning("KV transfer accept failed: %r", exc)
+                await asyncio.sleep(ACCEPT_RETRY_S)  # EMFILE and the like persist a while
+                continue
+            try:
+                conn = BlockingSocket(sock)
+            except OSError:
+                sock.close()  # reset before it was served: the peer is gone
+                continue
+            task = asyncio.ensure_future(self._serve(conn))
+            self._connections.add(task)
+            task.add_done_callback(self._connections.discard)
+
+    async def _serve(self, conn: BlockingSocket) -> None:
+        loop = asyncio.get_running_loop()
+        items: queue.SimpleQueue[tuple[Any, ...]] = queue.SimpleQueue()
         export_id = f"pd-export-{next(self._export_ids)}"
-        exporting = False
+        exporting = watching = False
+
+        def hung_up() -> None:  # the decode side sends nothing after its request
+            loop.remove_reader(conn.fileno)
+            items.put(_HUNG_UP)
+
         try:
-            header, _ = await read_frame(reader)
-            if header["type"] != "prefill":
-                raise ProtocolError(f"expected a prefill frame, got {header['type']!r}")
-            self._layout.require_same(KVBlockLayout.from_json(header.get("layout")))
-            queue: asyncio.Queue[Any] = asyncio.Queue()
-            sink = _QueueSink(asyncio.get_running_loop(), queue)
+            reading = conn.run(_read_request, "kv-send")
+            request = await asyncio.wait_for(reading, self._request_timeout_s)
+            self._layout.require_same(KVBlockLayout.from_json(request.get("layout")))
             token_ids, first, count = (
-                header["token_ids"],
-                header["first_block"],
-                header["num_blocks"],
+                request["token_ids"],
+                request["first_block"],
+                request["num_blocks"],
             )
-
-            def start(engine: LLMEngine) -> None:
-                start_export(
-                    engine, export_id, token_ids, first, count, sink, header.get("cache_salt")
-                )
-
-            await self._bridge.call(start)
+            await self._exports.start(
+                export_id, token_ids, first, count, _QueueSink(items), request.get("cache_salt")
+            )
             exporting = True
-            exporting = await self._relay(header, queue, reader, writer)
+            loop.add_reader(conn.fileno, hung_up)
+            watching = True
+            relay = functools.partial(self._relay, request, items)
+            exporting = await conn.run(relay, "kv-send")
         except (InvalidParameterError, ProtocolError, ValueError, KeyError, TypeError) as exc:
-            await _send_quietly(writer, frame_prefix({"type": "error", "message": str(exc)}))
-        except (OSError, asyncio.IncompleteReadError):
-            pass  # the decode side is gone: dropping the export below is all there is to do
+            error = {"type": "error", "message": str(exc)}
+            with contextlib.suppress(OSError):
+                await conn.run(lambda sock: send_frame(sock, error), "kv-send")
+        except (OSError, TimeoutError):
+            pass  # the decode side is gone or silent: dropping the export is all there is
         finally:
+            if watching:
+                loop.remove_reader(conn.fileno)
+            items.put(_CLOSED)  # a sending thread still waiting for the engine ends
             if exporting:
-                self._bridge.post(lambda engine: engine.abort_request(export_id))
-            writer.close()
-            self._connections.discard(task)
+                self._exports.abort(export_id)
+            conn.close()
 
-    async def _relay(
-        self,
-        request: dict[str, Any],
-        queue: asyncio.Queue[Any],
-        reader: asyncio.StreamReader,
-        writer: asyncio.StreamWriter,
-    ) -> bool:
-        """Write the export's items until it ends; True if it is still running (the decode
-        side hung up first)."""
-        hangup = asyncio.ensure_future(reader.read(1))  # the decode side sends nothing more
-        try:
-            while True:
-                item = asyncio.ensure_future(queue.get())
-                await asyncio.wait({item, hangup}, return_when=asyncio.FIRST_COMPLETED)
-                if not item.done():
-                    item.cancel()
-                    return True
-                kind, *rest = item.result()
-                if kind == "blocks":
-                    await self._send_run(request, writer, *rest)
-                    continue
-                if kind == "done":
-                    writer.write(frame_prefix({"type": "done", "cached_tokens": rest[0]}))
-                else:
-                    writer.write(frame_prefix({"type": "error", "message": rest[0]}))
-                await writer.drain()
+    def _relay(
+        self, request: dict[str, Any], items: queue.SimpleQueue[tuple[Any, ...]],
+        sock: socket.socket,
+    ) -> bool:  # fmt: skip
+        """Sending thread: write the export's items until it ends; True if it is still
+        running (the decode side hung up, or the sender is closing)."""
+        pending: tuple[Any, ...] | None = None
+        while True:
+            kind, *rest = pending or items.get()
+            pending = None
+            if kind == "blocks":
+                runs = [rest[1]]
+                pending = self._gather(items, rest[0], runs)
+                self._send_runs(sock, request, rest[0], runs)
+            elif kind == "done":
+                send_frame(sock, {"type": "done", "cached_tokens": rest[0]})
                 return False
-        finally:
-            hangup.cancel()
+            elif kind == "error":
+                send_frame(sock, {"type": "error", "message": rest[0]})
+                return False
+            else:
+                return True
 
-    async def _send_run(
-        self,
-        request: dict[str, Any],
-        writer: asyncio.StreamWriter,
-        first_block: int,
-        blocks: torch.Tensor,
-    ) -> None:
-        """One run of blocks to the decode side: here its bytes follow the frame."""
-        header = {"type": "blocks", "first_block": first_block, "num_blocks": len(blocks)}
-        payload = payload_view(blocks)
-        writer.write(frame_prefix(header, len(payload)))
-        writer.write(payload)
-        await writer.drain()
+    def _gather(
+        self, items: queue.SimpleQueue[tuple[Any, ...]], first_block: int,
+        runs: list[torch.Tensor],
+    ) -> tuple[Any, ...] | None:  # fmt: skip
+        """Sending thread: add to ``runs`` (starting at ``first_block``) the runs already
+        queued behind it that continue it, up to ``merge_bytes`` in all, so that a
+        backlog (the engine ahead of the network) leaves in large frames; returns the
+        first queued item it did not take, if any."""
+        next_block = first_block + len(runs[0])
+        nbytes = _nbytes(runs[0])
+        while nbytes < self._merge_bytes:
+            try:
+                item = items.get_nowait()
+            except queue.Empty:
+                return None
+            if item[0] != "blocks" or item[1] != next_block:
+                return item
+            if nbytes + _nbytes(item[2]) > self._merge_bytes:
+                return item
+            runs.append(item[2])
+            next_block += len(item[2])
+            nbytes += _nbytes(item[2])
+        return None
+
+    def _send_runs(
+        self, sock: socket.socket, request: dict[str, Any], first_block: int,
+        runs: list[torch.Tensor],
+    ) -> None:  # fmt: skip
+        """Sending thread: consecutive runs of blocks from ``first_block`` on, as one run
+        frame; here their bytes follow it, each written from its own memory."""
+        count = sum(len(run) for run in runs)
+        header = {"type": "blocks", "first_block": first_block, "num_blocks": count}
+        send_frame(sock, header, *(payload_view(run) for run in runs))
 
 
-async def _send_quietly(writer: asyncio.StreamWriter, data: bytes) -> None:
-    try:
-        writer.write(data)
-        await writer.drain()
-    except OSError:
-        pass
+def _nbytes(blocks: torch.Tensor) -> int:
+    return blocks.nelement() * blocks.element_size()
+
+
+def _read_request(sock: socket.socket) -> dict[str, Any]:
+    header, payload_len = recv_frame_head(sock)
+    if header["type"] != "prefill" or payload_len:
+        raise ProtocolError(f"expected a prefill frame, got {header['type']!r}")
+    return header
 
 
 class TCPKVReceiver:
@@ -205,6 +291,7 @@ class TCPKVReceiver:
         self._info_timeout = aiohttp.ClientTimeout(total=info_timeout_s)
         self._info_headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._addresses: dict[str, tuple[str, int]] = {}
+        self.buffers = RunBuffers(RUN_BUFFER_KEEP_BYTES)
 
     async def fetch(
         self,
@@ -218,7 +305,7 @@ class TCPKVReceiver:
         try:
             address = await self._address(prefill_url)
             with self._landing(first_block, num_blocks) as landing:
-                return await self._fetch_blocks(
+                return await self.fetch_from(
                     address, token_ids, first_block, num_blocks, install, landing, cache_salt
                 )
         except _TRANSFER_ERRORS as exc:
@@ -238,7 +325,7 @@ class TCPKVReceiver:
         address = self._addresses[url] = (str(info["transfer_host"]), int(info["transfer_port"]))
         return address
 
-    async def _fetch_blocks(
+    async def fetch_from(
         self,
         address: tuple[str, int],
         token_ids: list[int],
@@ -246,53 +333,95 @@ class TCPKVReceiver:
         num_blocks: int,
         install: InstallRun,
         landing: Landing,
-        cache_salt: str | None,
+        cache_salt: str | None = None,
     ) -> int:
         """Have the prefill worker at ``address`` compute blocks ``[0, num_blocks)`` of the
         prompt and install ``[first_block, num_blocks)`` as they come; returns the prompt
-        tokens its cache served."""
-        timeout_s = self._frame_timeout_s
-        reader, writer = await asyncio.wait_for(
-            asyncio.open_connection(*address, limit=READ_LIMIT_BYTES), timeout_s
-        )
+        tokens its cache served. The receiving thread reads the next run while this one
+        is installed."""
+        loop = asyncio.get_running_loop()
+        arrivals: asyncio.Queue[_Arrival] = asyncio.Queue()
+
+        def deliver(item: _Arrival) -> None:
+            with contextlib.suppress(RuntimeError):  # the loop is closed: nobody waits
+                loop.call_soon_threadsafe(arrivals.put_nowait, item)
+
+        request = {
+            "type": "prefill",
+            "token_ids": token_ids,
+            "first_block": first_block,
+            "num_blocks": num_blocks,
+            "layout": self._layout.to_json(),
+            "cache_salt": cache_salt,
+            **landing.request_fields(),
+        }
+        receive = functools.partial(_receive, request, landing, deliver)
+        conn = await _connect(address, self._frame_timeout_s)
         try:
-            request = {
-                "type": "prefill",
-                "token_ids": token_ids,
-                "first_block": first_block,
-                "num_blocks": num_blocks,
-                "cache_salt": cache_salt,
-                "layout": self._layout.to_json(),
-                **landing.request_fields(),
-            }
-            writer.write(frame_prefix(request))
-            await writer.drain()
-            expected = first_block
+            conn.run(receive, "kv-receive")  # it reports through ``deliver``
             while True:
-                header, payload = await asyncio.wait_for(read_frame(reader), timeout_s)
-                kind = header["type"]
-                if kind == "blocks":
-                    blocks = landing.run_blocks(header, payload)
-                    if header.get("first_block") != expected or header.get("num_blocks") != len(
-                        blocks
-                    ):
-                        raise ProtocolError(f"unexpected run {header!r} after block {expected}")
-                    await install(expected, blocks)
-                    expected += len(blocks)
-                elif kind == "done" and expected == num_blocks:
-                    return int(header.get("cached_tokens", 0))
-                elif kind == "error":
-                    raise PrefillFailed(str(header.get("message")))
-                else:
-                    raise ProtocolError(f"unexpected frame {header!r} after block {expected}")
+                item = await asyncio.wait_for(arrivals.get(), self._frame_timeout_s)
+                if isinstance(item, BaseException):
+                    raise item
+                if isinstance(item, int):
+                    return item
+                await install(*item)
+                self.buffers.give_back(item[1])  # installed: its memory is free again
         finally:
-            writer.close()
+            conn.close()
 
     def _landing(
         self, first_block: int, num_blocks: int
     ) -> contextlib.AbstractContextManager[Landing]:
         """Where one transfer's bytes arrive: here in the run frames' payloads."""
-        return contextlib.nullcontext(PayloadLanding(self._layout))
+        return contextlib.nullcontext(PayloadLanding(self._layout, self.buffers))
+
+
+async def _connect(address: tuple[str, int], timeout_s: float) -> BlockingSocket:
+    loop = asyncio.get_running_loop()
+    found = await loop.getaddrinfo(*address, type=socket.SOCK_STREAM)
+    family, kind, proto, _, sockaddr = found[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setblocking(False)
+        await asyncio.wait_for(loop.sock_connect(sock, sockaddr), timeout_s)
+    except BaseException:
+        sock.close()
+        raise
+    return BlockingSocket(sock)
+
+
+def _receive(
+    request: dict[str, Any],
+    landing: Landing,
+    deliver: Callable[[_Arrival], None],
+    sock: socket.socket,
+) -> None:
+    """Receiving thread: send the request, then deliver each run ``(first_block,
+    blocks)`` in order, then the cached token count, or the exception that ended it."""
+    try:
+        send_frame(sock, request)
+        expected, end = int(request["first_block"]), int(request["num_blocks"])
+        while True:
+            header, payload_len = recv_frame_head(sock)
+            kind = header["type"]
+            if kind == "blocks":
+                first, count = header.get("first_block"), header.get("num_blocks")
+                if first != expected or not isinstance(count, int) or not 0 < count <= end - first:
+                    raise ProtocolError(f"unexpected run {header!r} after block {expected}")
+                deliver((expected, landing.run_blocks(header, payload_len, sock)))
+                expected += count
+                continue
+            if payload_len:
+                raise ProtocolError(f"a {kind!r} frame with a payload")
+            if kind == "done" and expected == end:
+                deliver(int(header.get("cached_tokens", 0)))
+                return
+            if kind == "error":
+                raise PrefillFailed(str(header.get("message")))
+            raise ProtocolError(f"unexpected frame {header!r} after block {expected}")
+    except BaseException as exc:  # the event loop raises it
+        deliver(exc)
 
 
 class Landing(Protocol):
@@ -301,18 +430,29 @@ class Landing(Protocol):
     def request_fields(self) -> dict[str, Any]:
         """What the prefill request adds, telling the prefill side where to put runs."""
 
-    def run_blocks(self, header: dict[str, Any], payload: bytes) -> torch.Tensor:
-        """A run frame's blocks, owned by the caller."""
+    def run_blocks(
+        self, header: dict[str, Any], payload_len: int, sock: socket.socket
+    ) -> torch.Tensor:
+        """Receiving thread: the blocks of a run frame (its header checked, its payload
+        next on ``sock``), in memory the receiver's ``RunBuffers`` lent."""
 
 
 class PayloadLanding:
-    """Runs arrive as the frames' payloads, on the control connection itself."""
+    """Runs arrive as the frames' payloads, read straight into the blocks' tensor."""
 
-    def __init__(self, layout: KVBlockLayout) -> None:
+    def __init__(self, layout: KVBlockLayout, buffers: RunBuffers) -> None:
         self._layout = layout
+        self._buffers = buffers
 
     def request_fields(self) -> dict[str, Any]:
         return {}
 
-    def run_blocks(self, header: dict[str, Any], payload: bytes) -> torch.Tensor:
-        return from_bytes(self._layout, payload)
+    def run_blocks(
+        self, header: dict[str, Any], payload_len: int, sock: socket.socket
+    ) -> torch.Tensor:
+        count = header["num_blocks"]
+        if payload_len != count * self._layout.block_nbytes:
+            raise ProtocolError(f"a run of {count} blocks with {payload_len} payload bytes")
+        memory = self._buffers.take(payload_len)
+        recv_into(sock, payload_view(memory))
+        return memory.view(self._layout.torch_dtype).reshape(count, *self._layout.block_shape)
