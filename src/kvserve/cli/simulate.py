@@ -73,6 +73,21 @@ def register(app: typer.Typer) -> None:
                 "beyond the deepest holder's (default: the policy's own)."
             ),
         ] = None,
+        kv_aware_retention_margin: Annotated[
+            float | None,
+            typer.Option(
+                help="kv_aware: the recompute weight is discounted to 0 as the holder's "
+                "predicted wait nears 1/margin of its cache's retention time (0: no "
+                "discount; default: the policy's own)."
+            ),
+        ] = None,
+        kv_aware_retention_window: Annotated[
+            float | None,
+            typer.Option(
+                help="kv_aware: seconds over which a worker's eviction rate is averaged "
+                "(default: the policy's own)."
+            ),
+        ] = None,
         as_json: Annotated[bool, typer.Option("--json", help="Print JSON, not a table.")] = False,
         out: Annotated[
             Path | None, typer.Option(help="Write results.json, report.md and plots here.")
@@ -103,6 +118,10 @@ def register(app: typer.Typer) -> None:
         kv_aware_overrides = {}
         if kv_aware_recompute_weight is not None:
             kv_aware_overrides["recompute_weight"] = kv_aware_recompute_weight
+        if kv_aware_retention_margin is not None:
+            kv_aware_overrides["retention_margin"] = kv_aware_retention_margin
+        if kv_aware_retention_window is not None:
+            kv_aware_overrides["retention_window_s"] = kv_aware_retention_window
         try:
             cost = cost_profile(profile)
             config = SimConfig(

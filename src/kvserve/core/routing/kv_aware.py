@@ -71,6 +71,7 @@ from typing import Any
 import xxhash
 
 from kvserve.core.cost_model import CostModel
+from kvserve.core.routing.future_cost import FutureCost, HolderPressure
 from kvserve.core.routing.kv_index import KVBlockIndex, WorkerMatch
 from kvserve.core.routing.load_order import LoadOrder
 from kvserve.core.routing.types import TakeBack, WorkerLoad
@@ -104,6 +105,12 @@ class KvAwareConfig:
     # holder would: what the recompute costs the requests queued behind it (see the
     # module docstring). 0 (the default, by measurement) ranks by this request's TTFT.
     recompute_weight: float = 0.0
+    # The weight is discounted by the deepest holder's chance of still holding the prefix
+    # when the request runs there, from its cache's eviction rate averaged over
+    # ``retention_window_s`` (see :mod:`kvserve.core.routing.future_cost`); margin 0: no
+    # discount.
+    retention_margin: float = 1.0
+    retention_window_s: float = 60.0
     # (block, holder) entries the index keeps; None: unbounded (see KVBlockIndex)
     index_max_entries: int | None = None
 
@@ -121,6 +128,7 @@ class KvAwareConfig:
             raise ValueError("speculative_ttl_s must be >= 0")
         if self.recompute_weight < 0:
             raise ValueError("recompute_weight must be >= 0")
+        HolderPressure(self.retention_margin, self.retention_window_s)  # validates
 
     @classmethod
     def from_cost_model(cls, cost: CostModel, **overrides: Any) -> KvAwareConfig:
@@ -262,13 +270,14 @@ def _choose(
     tie_key: int,
     prompt_tokens: int,
     config: KvAwareConfig,
+    weight: float | None = None,
 ) -> KvAwareChoice:
     """Of (worker, TTFT, cached tokens): the smallest score (equal up to a nanosecond is
     a tie), then the lighter guards, then rendezvous hashing (computed for the tied only).
-    The score is the TTFT plus ``recompute_weight`` times the prefill seconds the choice
-    computes beyond what the deepest holder would."""
+    The score is the TTFT plus ``weight`` (default: ``recompute_weight``, undiscounted)
+    times the prefill seconds the choice computes beyond what the deepest holder would."""
     deepest = max(c for _, _, c in scored)
-    weight = config.recompute_weight
+    weight = config.recompute_weight if weight is None else weight
     floor_s = config.prefill_s(prompt_tokens - deepest, deepest) if weight else 0.0
 
     def score(ttft: float, cached: int) -> float:
@@ -302,6 +311,7 @@ class KvAwareRouting:
         self.index = index if index is not None else KVBlockIndex(config.index_max_entries)
         self.loads = LoadOrder(config.prefill_s, config.decode_request_s)
         self.queue = PrefillQueue(self.loads)
+        self.future = FutureCost(HolderPressure(config.retention_margin, config.retention_window_s))
 
     def select(
         self,
@@ -354,7 +364,22 @@ class KvAwareRouting:
             )
             for w in candidates
         ]
-        return _choose(scored, tie_key, prompt_tokens, self.config)
+        weight = self._weight(scored, block_size, prompt_tokens, now)
+        return _choose(scored, tie_key, prompt_tokens, self.config, weight)
+
+    def _weight(
+        self,
+        scored: Sequence[tuple[WorkerLoad, float, int]],
+        block_size: int,
+        prompt_tokens: int,
+        now: float,
+    ) -> float:
+        """The recompute weight for this decision, discounted by holder pressure."""
+        base = self.config.recompute_weight
+        if not base or not self.config.retention_margin:
+            return base
+        held = {w.worker_id: self.index.num_blocks(w.worker_id) for w, _, c in scored if c}
+        return self.future.weight(base, scored, held, block_size, prompt_tokens, now)
 
     def expect_prefill(
         self, choice: KvAwareChoice, block_hashes: Sequence[int], prompt_tokens: int, now: float
@@ -364,6 +389,7 @@ class KvAwareRouting:
         worker_id, cached = choice.worker_id, choice.prediction.cached_tokens
         seconds = self.config.prefill_s(prompt_tokens - cached, cached)
         ends_at = self.queue.push(worker_id, seconds, now)
+        self.future.routed(worker_id, prompt_tokens)
         withdraw = self.expect_blocks(worker_id, block_hashes, now)
 
         def take_back(at: float) -> None:
@@ -388,4 +414,5 @@ class KvAwareRouting:
     def forget_worker(self, worker_id: str) -> None:
         self.index.remove_worker(worker_id)
         self.queue.forget(worker_id)
+        self.future.forget(worker_id)
         self.loads.remove(worker_id)

@@ -96,6 +96,7 @@ class KvAwarePolicy(Policy):
     def observe_events(self, worker_id: str, events: Sequence[KVEvent]) -> None:
         for event in events:
             self.routing.index.apply(worker_id, event)
+        self.routing.future.observe(worker_id, events)
 
     def observe_snapshot(self, worker_id: str, tier: str, block_hashes: Iterable[int]) -> None:
         self.routing.index.replace(worker_id, tier, block_hashes)
