@@ -193,3 +193,15 @@ def test_cli_takes_kv_aware_recompute_weight_and_refuses_a_negative_one() -> Non
     assert json.loads(completed.stdout)[0]["requests"] == 6
     refused = run_simulate(*args, "--kv-aware-recompute-weight", "-1")
     assert refused.returncode != 0 and "recompute_weight must be >= 0" in refused.stderr
+
+
+def test_cli_takes_kv_aware_retention_parameters_and_refuses_bad_ones() -> None:
+    args = ["--workers", "2", "--cache-tokens", "100000", "--policy", "kv_aware"]
+    args += ["--profile", "tiny", "--json", "--kv-aware-recompute-weight", "8"]
+    completed = run_simulate(
+        *args, "--kv-aware-retention-margin", "2", "--kv-aware-retention-window", "30"
+    )
+    assert completed.returncode == 0, completed.stderr
+    assert json.loads(completed.stdout)[0]["requests"] == 6
+    refused = run_simulate(*args, "--kv-aware-retention-window", "0")
+    assert refused.returncode != 0 and "retention window must be > 0" in refused.stderr
