@@ -3,31 +3,30 @@ cache pressure.
 
 kv_aware's ``recompute_weight`` charges a choice that is not the deepest holder for the
 prefill it computes again (GPU time the requests behind it wait for). That charge only
-buys something if the holder still has the prefix when the request runs. Under a tight
-cache it does not: the holder evicts the prefix while the request waits in its queue,
-the request recomputes it anyway, and it waited for nothing (agent sessions with 200k-token
-caches, docs/benchmarks.md "Routing that keeps its hits").
+buys something if the holder can serve the request from its cache soon. Two kinds of
+cache pressure prevent it, and the weight a decision applies is the base weight times
+the deepest holder's chance of escaping both:
 
-A device cache that evicts least recently used blocks keeps an unused block for about its
-*retention time*: the blocks it holds over the rate it evicts them (a full LRU cache of
-``C`` blocks taking in ``r`` new blocks a second drops a block ``C / r`` seconds after its
-last use). The router sees both in the workers' KV events: ``stored`` and ``removed``
-blocks per worker. A holder whose predicted wait is ``q`` keeps the prefix with a chance
-taken as ``1 − margin × q / retention`` (at least 0): 1 for a holder with room (no
-evictions), falling to 0 as the wait nears the time its cache keeps a block. The
-recompute weight a decision applies is the base weight times that chance for the deepest
-holder: a holder under pressure is charged for nothing and the request goes where its
-first token comes soonest; a holder with room keeps its conversations.
+- *Room.* The holder's cache is full of its running sequences' blocks, which cannot be
+  evicted, so a new request waits for one of them to finish: a wait no prefill queue
+  shows. Measured (agent sessions of 20–50k tokens on 200k-token caches, ×2 arrivals,
+  weight 8 undiscounted): the worst requests were predicted 1–2 s, waited about 40 s,
+  and found their cached blocks still there. The room is the cache (known once it
+  evicts: what it holds then is all it can hold) less the prompts of the requests in
+  flight there (the router's guards count them; this module remembers the prompt sizes
+  it sent, most recent last). The chance is the share of the prompt that fits.
+- *Retention.* A device cache that evicts least recently used blocks keeps an unused
+  block for about the blocks it holds over the rate it evicts them (a full LRU cache of
+  ``C`` blocks taking in ``r`` a second drops a block ``C / r`` seconds after its last
+  use). The router sees both in the workers' KV events. A holder whose predicted wait is
+  ``q`` keeps the prefix with a chance of ``1 − margin × q / retention`` (at least 0). On
+  the traces measured, retention was 30 s and more against waits of a second or two, so
+  this term changed little (docs/benchmarks.md); it is there for caches that turn over
+  within a queue's wait.
 
-Pressure has a second form, which measurement found to be the one that matters (agent
-sessions of 20–50k tokens on 200k-token caches, ×2 arrivals, weight 8: the worst requests
-were predicted 1–2 s and waited 40 s, their cached blocks still there): the holder's cache
-is full of the *running* sequences' blocks, which cannot be evicted, so a new request
-waits for one of them to finish, a wait no prefill queue shows. Its room is the cache
-(known once it evicts: what it holds then is all it can) less the prompts of the requests
-in flight there (the router's guards count them; the policy remembers the prompt sizes it
-sent, most recent first). The chance counts in full if the room takes the whole prompt,
-in proportion below that.
+A cache that evicts nothing has room and keeps everything: the full weight. A holder
+under pressure is charged for nothing, and the request goes where its first token comes
+soonest.
 """
 
 from __future__ import annotations
