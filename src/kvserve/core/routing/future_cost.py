@@ -210,10 +210,10 @@ class FutureCost:
         """One holder's chance: kept through its wait, and room to run beside its
         running sequences (a cache that evicts nothing has both)."""
         worker_id = worker.worker_id
-        rate = self.turnover.eviction_rate(worker_id, now)
-        if rate <= 0:
+        retention = self.turnover.retention_s(worker_id, held_blocks, now)
+        if math.isinf(retention):
             return 1.0
-        kept = keep_chance(ttft_s, held_blocks / rate, self.pressure.margin)
+        kept = keep_chance(ttft_s, retention, self.pressure.margin)
         pinned = self.in_flight.pinned_tokens(worker_id, worker.in_flight_requests)
         return kept * room_chance(held_blocks * block_size, pinned, prompt_tokens)
 
