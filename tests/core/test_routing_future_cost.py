@@ -17,6 +17,7 @@ from kvserve.core.routing.future_cost import (
     room_chance,
 )
 from kvserve.core.routing.kv_aware import KvAwareConfig, KvAwareRouting
+from kvserve.core.routing.pd_pair import PDConfig
 from kvserve.core.routing.policies.kv_aware import KvAwarePolicy
 from kvserve.core.routing.types import PromptBlocks, RouteQuery, WorkerLoad
 
@@ -190,3 +191,17 @@ def test_a_removed_worker_forgets_its_turnover() -> None:
     assert routing.future.turnover.eviction_rate("w0", 1.0) > 0
     routing.forget_worker("w0")
     assert routing.future.turnover.eviction_rate("w0", 2.0) == 0.0
+
+
+def test_a_pair_counts_the_prompt_on_the_decode_worker_that_will_hold_it() -> None:
+    """Prefilled remotely, the prompt still ends up pinned in the decode worker's cache:
+    its room must count it, as it does the prefill worker's."""
+    policy = KvAwarePolicy(CONFIG)
+    query = RouteQuery("", blocks=PromptBlocks(PROMPT, HASHES, BLOCK))
+    decision = policy.select_pair(
+        query, [WorkerLoad("d0")], [WorkerLoad("p0")], now=0.0, pd=PDConfig()
+    )
+    assert (decision.worker_id, decision.prefill_worker_id) == ("d0", "p0")
+    in_flight = policy.routing.future.in_flight
+    assert in_flight.pinned_tokens("d0", 1) == PROMPT
+    assert in_flight.pinned_tokens("p0", 1) == PROMPT

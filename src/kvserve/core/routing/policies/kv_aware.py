@@ -78,6 +78,8 @@ class KvAwarePolicy(Policy):
             matched = _matched(decode, tokens)
             return PairDecision(decode.worker_id, self.name, local, matched, take_back)
         prefill = self.routing.best(prefills, hashes, tokens, blocks.block_size, now)
+        # The decode worker holds the whole prompt in its cache while it decodes.
+        self.routing.future.routed(decode.worker_id, tokens)
         both = all_of(
             (
                 self.routing.expect_prefill(prefill, hashes, tokens, now),
