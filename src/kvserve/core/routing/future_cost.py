@@ -130,9 +130,11 @@ class HolderPressure:
 class InFlightPrompts:
     """The prompt sizes this policy sent each worker, most recent last: the ``n`` latest
     stand for the ``n`` requests the guards say are in flight there (an approximation:
-    requests need not finish in the order they came)."""
+    requests need not finish in the order they came). ``keep`` sizes per worker are kept,
+    more than a worker runs at once (its scheduler's sequence limit is in the hundreds),
+    so that a fleet of thousands of workers costs megabytes, not hundreds of them."""
 
-    def __init__(self, keep: int = 4096) -> None:
+    def __init__(self, keep: int = 1024) -> None:
         self._keep = keep
         self._sent: dict[str, deque[int]] = {}
 
