@@ -88,6 +88,13 @@ def register(app: typer.Typer) -> None:
                 "(default: the policy's own)."
             ),
         ] = None,
+        slo_ttft: Annotated[
+            float | None,
+            typer.Option(
+                help="TTFT target in seconds: report each policy's goodput, the share of "
+                "requests whose first token came within it (rejected ones miss)."
+            ),
+        ] = None,
         as_json: Annotated[bool, typer.Option("--json", help="Print JSON, not a table.")] = False,
         out: Annotated[
             Path | None, typer.Option(help="Write results.json, report.md and plots here.")
@@ -115,6 +122,8 @@ def register(app: typer.Typer) -> None:
         unknown = [p for p in names if p not in POLICIES]
         if unknown or not names:
             raise typer.BadParameter(f"unknown policy {unknown}; choose from {POLICIES}")
+        if slo_ttft is not None and slo_ttft <= 0:
+            raise typer.BadParameter("--slo-ttft must be > 0")
         kv_aware_overrides = {}
         if kv_aware_recompute_weight is not None:
             kv_aware_overrides["recompute_weight"] = kv_aware_recompute_weight
@@ -156,7 +165,7 @@ def register(app: typer.Typer) -> None:
                         functools.partial(_show_progress, progress, task),
                     )
                 )
-        summaries = [summarize(r) for r in results]
+        summaries = [summarize(r, slo_ttft) for r in results]
         notes = list(COLUMN_NOTES)
         if not loaded.shares_prefixes:
             notes.insert(0, f"{loaded.name} has no prefix sharing: every hit rate is 0 by design")
