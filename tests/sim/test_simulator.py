@@ -232,3 +232,16 @@ def test_cli_reports_goodput_for_an_slo_and_refuses_a_non_positive_one() -> None
     assert table.returncode == 0 and "goodput" in table.stdout
     refused = run_simulate(*args, "--slo-ttft", "0")
     assert refused.returncode != 0 and "--slo-ttft must be > 0" in refused.stderr
+
+
+def test_cli_finds_each_policys_max_rate_meeting_the_slo() -> None:
+    args = ["--workers", "2", "--cache-tokens", "100000", "--policy", "kv_aware"]
+    args += ["--profile", "tiny", "--slo-ttft", "0.02"]
+    completed = run_simulate(*args, "--find-max-rate", "--json")
+    assert completed.returncode == 0, completed.stderr
+    (row,) = json.loads(completed.stdout)
+    probes = {p["rate"]: p["ttft_p99_s"] for p in row["probes"]}
+    assert row["max_rate"] in probes and probes[row["max_rate"]] <= 0.02
+    assert any(p99 > 0.02 and rate > row["max_rate"] for rate, p99 in probes.items())
+    refused = run_simulate(*args[:-2], "--find-max-rate")
+    assert refused.returncode != 0 and "--find-max-rate needs --slo-ttft" in refused.stderr
