@@ -32,7 +32,7 @@ recompute (1 + recompute_weight) times over; past that the prefix is worth repli
 on a second worker, and it spreads. With a weight of 0 the score is the TTFT: kv_aware
 moves a conversation off a busy holder as soon as a cold worker is faster for the
 request at hand, and gives up hit rate to cache_aware, more with load (the Mooncake
-conversation trace, 10 workers: 0.334 against 0.360 at the trace's rate, 0.303 against
+conversation trace, 10 workers: 0.335 against 0.360 at the trace's rate, 0.303 against
 0.359 at ×4).
 
 A weight alone piles requests onto holders that cannot serve them as predicted: on agent
