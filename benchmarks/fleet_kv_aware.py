@@ -19,7 +19,8 @@ The setup is chosen so that the policies, not the box, decide the figures:
 - one engine step takes up to ``--max-num-batched-tokens`` tokens, as the simulator's.
 
 Run: ``python benchmarks/fleet_kv_aware.py [--workers 8] [--requests 400]
-[--time-scale 0.25] [--rounds 2] [--out runs/fleet-kv-aware]``
+[--time-scale 0.25] [--rounds 2] [--out runs/fleet-kv-aware]
+[--policies cache_aware,kv_aware,kv_aware@8]``
 """
 
 from __future__ import annotations
@@ -108,12 +109,19 @@ def start_workers(model_dir: Path, args: argparse.Namespace) -> list[ServerProce
     return [w.wait_healthy(180) for w in workers]
 
 
+def router_args(policy: str) -> list[str]:
+    """``kv_aware@W``: kv_aware with a recompute weight of ``W``; other names as they are."""
+    name, _, weight = policy.partition("@")
+    extra = ["--kv-aware-recompute-weight", weight] if weight else []
+    return ["--policy", name, *extra]
+
+
 def run_policy(policy: str, out: Path, args: argparse.Namespace, model_dir: Path) -> dict:
     """One bench run on a fresh fleet; its summary plus the router's decision counts."""
     workers = start_workers(model_dir, args)
     router = None
     try:
-        router = start_router([w.url for w in workers], free_port(), "--policy", policy)
+        router = start_router([w.url for w in workers], free_port(), *router_args(policy))
         workload = f"mooncake-conv:{workload_keys(args, model_dir)}"
         subprocess.run(
             [*KVSERVE_COMMAND, "bench", "--endpoint", router.url, "--workload", workload,
@@ -187,7 +195,11 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=65536)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--out", type=Path, default=Path("runs/fleet-kv-aware"))
-    parser.add_argument("--policies", default=",".join(POLICIES), help="comma-separated")
+    parser.add_argument(
+        "--policies",
+        default=",".join(POLICIES),
+        help="comma-separated; kv_aware@W: kv_aware with --kv-aware-recompute-weight W",
+    )
     args = parser.parse_args()
 
     model_dir = make_model(args.context)

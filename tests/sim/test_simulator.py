@@ -193,3 +193,55 @@ def test_cli_takes_kv_aware_recompute_weight_and_refuses_a_negative_one() -> Non
     assert json.loads(completed.stdout)[0]["requests"] == 6
     refused = run_simulate(*args, "--kv-aware-recompute-weight", "-1")
     assert refused.returncode != 0 and "recompute_weight must be >= 0" in refused.stderr
+
+
+def test_cli_takes_kv_aware_retention_parameters_and_refuses_bad_ones() -> None:
+    args = ["--workers", "2", "--cache-tokens", "100000", "--policy", "kv_aware"]
+    args += ["--profile", "tiny", "--json", "--kv-aware-recompute-weight", "8"]
+    completed = run_simulate(
+        *args, "--kv-aware-retention-margin", "2", "--kv-aware-retention-window", "30"
+    )
+    assert completed.returncode == 0, completed.stderr
+    assert json.loads(completed.stdout)[0]["requests"] == 6
+    refused = run_simulate(*args, "--kv-aware-retention-window", "0")
+    assert refused.returncode != 0 and "retention window must be > 0" in refused.stderr
+
+
+def test_goodput_is_the_share_of_all_requests_meeting_the_slo() -> None:
+    """The rejected request misses any SLO; the served one meets a generous one and
+    misses one shorter than its own TTFT."""
+    trace = [
+        TraceRequest("big", 0.0, 10 * BLOCK_TOKENS, 4, tuple(range(10))),
+        TraceRequest("ok", 0.1, BLOCK_TOKENS, 4, (99,)),
+    ]
+    result = simulate(trace, "kv_aware", config(workers=1, cache_blocks=4))
+    served = [r for r in result.records if r.first_token_s is not None]
+    ttft = served[0].first_token_s - served[0].arrival_s
+    assert summarize(result).goodput is None
+    assert summarize(result, slo_ttft_s=ttft * 10).goodput == pytest.approx(0.5)
+    assert summarize(result, slo_ttft_s=ttft / 10).goodput == 0.0
+
+
+def test_cli_reports_goodput_for_an_slo_and_refuses_a_non_positive_one() -> None:
+    args = ["--workers", "2", "--cache-tokens", "100000", "--policy", "kv_aware,round_robin"]
+    args += ["--profile", "tiny"]
+    completed = run_simulate(*args, "--json", "--slo-ttft", "1000")
+    assert completed.returncode == 0, completed.stderr
+    assert [r["goodput"] for r in json.loads(completed.stdout)] == [1.0, 1.0]
+    table = run_simulate(*args, "--slo-ttft", "1000")
+    assert table.returncode == 0 and "goodput" in table.stdout
+    refused = run_simulate(*args, "--slo-ttft", "0")
+    assert refused.returncode != 0 and "--slo-ttft must be > 0" in refused.stderr
+
+
+def test_cli_finds_each_policys_max_rate_meeting_the_slo() -> None:
+    args = ["--workers", "2", "--cache-tokens", "100000", "--policy", "kv_aware"]
+    args += ["--profile", "tiny", "--slo-ttft", "0.02"]
+    completed = run_simulate(*args, "--find-max-rate", "--json")
+    assert completed.returncode == 0, completed.stderr
+    (row,) = json.loads(completed.stdout)
+    probes = {p["rate"]: p["ttft_p99_s"] for p in row["probes"]}
+    assert row["max_rate"] in probes and probes[row["max_rate"]] <= 0.02
+    assert any(p99 > 0.02 and rate > row["max_rate"] for rate, p99 in probes.items())
+    refused = run_simulate(*args[:-2], "--find-max-rate")
+    assert refused.returncode != 0 and "--find-max-rate needs --slo-ttft" in refused.stderr

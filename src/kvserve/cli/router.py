@@ -146,6 +146,24 @@ def register(app: typer.Typer) -> None:
                 "5 ms, a GPU's; on a CPU a decode costs about what a prompt token does)."
             ),
         ] = None,
+        kv_aware_recompute_weight: Annotated[
+            float | None,
+            _tuning(
+                "kv_aware: score seconds per second of prefill a choice computes beyond the "
+                "deepest holder's (default: the policy's own; see docs/internals.md)."
+            ),
+        ] = None,
+        kv_aware_retention_margin: Annotated[
+            float | None,
+            _tuning(
+                "kv_aware: the recompute weight falls to 0 as the holder's predicted wait "
+                "nears 1/margin of its cache's retention time (0: no discount)."
+            ),
+        ] = None,
+        kv_aware_retention_window: Annotated[
+            float | None,
+            _tuning("kv_aware: seconds over which a worker's eviction rate is averaged."),
+        ] = None,
         header_timeout: HeaderTimeout = LIMITS.header_timeout_s,
         body_timeout: BodyTimeout = LIMITS.body_timeout_s,
         max_header_bytes: MaxHeaderBytes = LIMITS.max_header_bytes,
@@ -192,6 +210,15 @@ def register(app: typer.Typer) -> None:
                     decode_request_s=default_costs.decode_request_s
                     if kv_decode_request_s is None
                     else kv_decode_request_s,
+                    recompute_weight=default_costs.recompute_weight
+                    if kv_aware_recompute_weight is None
+                    else kv_aware_recompute_weight,
+                    retention_margin=default_costs.retention_margin
+                    if kv_aware_retention_margin is None
+                    else kv_aware_retention_margin,
+                    retention_window_s=default_costs.retention_window_s
+                    if kv_aware_retention_window is None
+                    else kv_aware_retention_window,
                 ),
                 session_header=session_header,
                 tokenizer=tokenizer,

@@ -10,11 +10,45 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 
 if TYPE_CHECKING:
+    from rich.console import Console
     from rich.progress import Progress, TaskID
+
+    from kvserve.sim.simulator import SimConfig
 
 
 def _show_progress(progress: Progress, task: TaskID, completed: int) -> None:
     progress.update(task, completed=completed)
+
+
+def _capacity(
+    policy: str,
+    config: SimConfig,
+    trace: Path,
+    limit: int | None,
+    speedup: float,
+    slo_ttft: float,
+    console: Console,
+) -> dict[str, object]:
+    """``--find-max-rate`` for one policy: its highest rate multiple meeting the SLO, and
+    every probe simulated on the way."""
+    from kvserve.sim.capacity import find_max_rate
+    from kvserve.sim.report import summarize
+    from kvserve.sim.simulator import simulate
+    from kvserve.sim.trace import load_trace
+
+    def p99_at(rate: float) -> float:
+        loaded = load_trace(trace, limit=limit, speedup=speedup * rate)
+        p99 = summarize(simulate(loaded.requests, policy, config)).ttft_p99_s
+        console.print(f"{policy}: x{rate:.3g} p99 TTFT {p99:.3f} s")
+        return p99
+
+    result = find_max_rate(p99_at, slo_ttft)
+    return {
+        "policy": policy,
+        "slo_ttft_s": slo_ttft,
+        "max_rate": result.max_rate,
+        "probes": [{"rate": rate, "ttft_p99_s": p99} for rate, p99 in result.probes],
+    }
 
 
 def register(app: typer.Typer) -> None:
@@ -73,6 +107,37 @@ def register(app: typer.Typer) -> None:
                 "beyond the deepest holder's (default: the policy's own)."
             ),
         ] = None,
+        kv_aware_retention_margin: Annotated[
+            float | None,
+            typer.Option(
+                help="kv_aware: the recompute weight is discounted to 0 as the holder's "
+                "predicted wait nears 1/margin of its cache's retention time (0: no "
+                "discount; default: the policy's own)."
+            ),
+        ] = None,
+        kv_aware_retention_window: Annotated[
+            float | None,
+            typer.Option(
+                help="kv_aware: seconds over which a worker's eviction rate is averaged "
+                "(default: the policy's own)."
+            ),
+        ] = None,
+        slo_ttft: Annotated[
+            float | None,
+            typer.Option(
+                help="TTFT target in seconds: report each policy's goodput, the share of "
+                "requests whose first token came within it (rejected ones miss)."
+            ),
+        ] = None,
+        find_max_rate: Annotated[
+            bool,
+            typer.Option(
+                "--find-max-rate",
+                help="With --slo-ttft: per policy, search the highest multiple of the "
+                "arrival rate (of --speedup's) whose p99 TTFT meets the SLO; one whole "
+                "simulation per probe.",
+            ),
+        ] = False,
         as_json: Annotated[bool, typer.Option("--json", help="Print JSON, not a table.")] = False,
         out: Annotated[
             Path | None, typer.Option(help="Write results.json, report.md and plots here.")
@@ -100,9 +165,17 @@ def register(app: typer.Typer) -> None:
         unknown = [p for p in names if p not in POLICIES]
         if unknown or not names:
             raise typer.BadParameter(f"unknown policy {unknown}; choose from {POLICIES}")
+        if slo_ttft is not None and slo_ttft <= 0:
+            raise typer.BadParameter("--slo-ttft must be > 0")
+        if find_max_rate and slo_ttft is None:
+            raise typer.BadParameter("--find-max-rate needs --slo-ttft")
         kv_aware_overrides = {}
         if kv_aware_recompute_weight is not None:
             kv_aware_overrides["recompute_weight"] = kv_aware_recompute_weight
+        if kv_aware_retention_margin is not None:
+            kv_aware_overrides["retention_margin"] = kv_aware_retention_margin
+        if kv_aware_retention_window is not None:
+            kv_aware_overrides["retention_window_s"] = kv_aware_retention_window
         try:
             cost = cost_profile(profile)
             config = SimConfig(
@@ -125,6 +198,23 @@ def register(app: typer.Typer) -> None:
             + (f", load reports every {load_report_interval:g} s" if load_report_interval else "")
         )
         console = Console(stderr=True)
+        if find_max_rate and slo_ttft is not None:
+            found = [
+                _capacity(name, config, trace, limit, speedup, slo_ttft, console) for name in names
+            ]
+            if as_json:
+                typer.echo(json.dumps(found, indent=2))
+            else:
+                typer.echo(setup)
+                for row in found:
+                    rate = row["max_rate"]
+                    answer = (
+                        "never (not even the lowest rate searched)"
+                        if rate is None
+                        else (f"x{rate:.3g} of these arrivals")
+                    )
+                    typer.echo(f"{row['policy']}: p99 TTFT <= {slo_ttft:g} s up to {answer}")
+            return
         results = []
         with Progress(console=console, transient=True) as progress:
             for name in names:
@@ -137,7 +227,7 @@ def register(app: typer.Typer) -> None:
                         functools.partial(_show_progress, progress, task),
                     )
                 )
-        summaries = [summarize(r) for r in results]
+        summaries = [summarize(r, slo_ttft) for r in results]
         notes = list(COLUMN_NOTES)
         if not loaded.shares_prefixes:
             notes.insert(0, f"{loaded.name} has no prefix sharing: every hit rate is 0 by design")

@@ -39,9 +39,14 @@ class PolicySummary:
     load_imbalance: float  # max / mean tokens computed per worker (1.0 = even)
     preemptions: int
     sim_wall_s: float
+    # Share of all requests (rejected ones miss) whose TTFT met ``slo_ttft_s``; None
+    # without an SLO.
+    slo_ttft_s: float | None = None
+    goodput: float | None = None
 
 
-def summarize(result: SimResult) -> PolicySummary:
+def summarize(result: SimResult, slo_ttft_s: float | None = None) -> PolicySummary:
+    """The figures of one run; with ``slo_ttft_s``, the share of requests meeting it."""
     served = [r for r in result.records if r.first_token_s is not None]
     waits = [r.first_token_s - r.arrival_s for r in result.records if r.first_token_s is not None]
     ttfts = np.array(waits) if waits else np.zeros(1)
@@ -63,7 +68,13 @@ def summarize(result: SimResult) -> PolicySummary:
         load_imbalance=max(work) / mean_work if mean_work else 1.0,
         preemptions=result.preemptions,
         sim_wall_s=result.wall_s,
+        slo_ttft_s=slo_ttft_s,
+        goodput=None if slo_ttft_s is None else _goodput(waits, len(result.records), slo_ttft_s),
     )
+
+
+def _goodput(waits: Sequence[float], requests: int, slo_ttft_s: float) -> float:
+    return sum(1 for w in waits if w <= slo_ttft_s) / requests if requests else 0.0
 
 
 def as_json(summaries: Sequence[PolicySummary]) -> list[dict[str, object]]:
@@ -115,27 +126,45 @@ _TERMINAL_COLUMNS = {  # header -> column
 }
 
 
+def _with_goodput(
+    summaries: Sequence[PolicySummary], headers: Sequence[str], rows: list[list[str]]
+) -> tuple[list[str], list[list[str]]]:
+    """A goodput column after the others when the run had an SLO."""
+    slo = summaries[0].slo_ttft_s if summaries else None
+    if slo is None:
+        return list(headers), rows
+    cells = [f"{s.goodput:.3f}" if s.goodput is not None else "" for s in summaries]
+    return [*headers, f"goodput (TTFT <= {slo:g} s)"], [
+        [*row, cell] for row, cell in zip(rows, cells, strict=True)
+    ]
+
+
 def rich_table(summaries: Sequence[PolicySummary], title: str) -> Table:
     """The terminal table: one row per policy, numbers right-aligned."""
     table = Table(
         title=title, box=box.SIMPLE_HEAD, collapse_padding=True, pad_edge=False, show_edge=False
     )
-    for index, header in enumerate(_TERMINAL_COLUMNS):
+    rows = []
+    for summary in summaries:
+        cells = dict(zip(_COLUMNS, _cells(summary), strict=True))
+        rows.append([cells[column] for column in _TERMINAL_COLUMNS.values()])
+    headers, rows = _with_goodput(summaries, list(_TERMINAL_COLUMNS), rows)
+    for index, header in enumerate(headers):
         table.add_column(
             header,
             justify="left" if index == 0 else "right",
             no_wrap=True,
             min_width=max(len(header), 5),
         )
-    for summary in summaries:
-        cells = dict(zip(_COLUMNS, _cells(summary), strict=True))
-        table.add_row(*(cells[column] for column in _TERMINAL_COLUMNS.values()))
+    for row in rows:
+        table.add_row(*row)
     return table
 
 
 def markdown_table(summaries: Sequence[PolicySummary]) -> str:
-    lines = ["| " + " | ".join(_COLUMNS) + " |", "|---|" + "---:|" * (len(_COLUMNS) - 1)]
-    lines += ["| " + " | ".join(_cells(s)) + " |" for s in summaries]
+    headers, rows = _with_goodput(summaries, _COLUMNS, [_cells(s) for s in summaries])
+    lines = ["| " + " | ".join(headers) + " |", "|---|" + "---:|" * (len(headers) - 1)]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
     return "\n".join(lines)
 
 

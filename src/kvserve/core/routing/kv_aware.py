@@ -29,17 +29,26 @@ it writes there that evict someone else's. Each candidate is scored::
 
 and the smallest score wins. A holder keeps a request until its queue exceeds the
 recompute (1 + recompute_weight) times over; past that the prefix is worth replicating
-on a second worker, and it spreads. With ``recompute_weight`` 0, the default, the score
-is the TTFT: kv_aware moves a conversation off a busy holder as soon as a cold worker is
-faster for the request at hand, and gives up hit rate to cache_aware, more with load
-(the Mooncake conversation trace, 10 workers: 0.335 against 0.360 at the trace's rate,
-0.303 against 0.359 at ×4). Measured with ``kvserve simulate
---kv-aware-recompute-weight`` (docs/benchmarks.md, "Routing that keeps its hits"): on
-that trace a weight of 8 keeps cache_aware's hit rate at ×1, ×2 and ×4, still at a lower
-mean TTFT; but on agent sessions with tight caches any weight tried (3, 8) piles
-sessions onto holders that cannot keep their blocks, and at ×2 their mean TTFT grows
-four to six times past cache_aware's, so the default stays 0 until the rule knows when
-a holder's cache will still hold the prefix by the time the request runs.
+on a second worker, and it spreads. With a weight of 0 the score is the TTFT: kv_aware
+moves a conversation off a busy holder as soon as a cold worker is faster for the
+request at hand, and gives up hit rate to cache_aware, more with load (the Mooncake
+conversation trace, 10 workers: 0.335 against 0.360 at the trace's rate, 0.303 against
+0.359 at ×4).
+
+A weight alone piles requests onto holders that cannot serve them as predicted: on agent
+sessions of 20–50k tokens with 200k-token caches, weight 8 made mean TTFT 12× cache_aware's
+at ×2 arrivals, its worst requests predicted 1–2 s and waiting 40 s for room beside the
+holder's running sequences. So the weight a decision applies is discounted by the
+deepest holder's pressure (:mod:`kvserve.core.routing.future_cost`): the chance it keeps
+the prefix through its predicted wait (its cache's retention time, from the eviction
+rate its KV events show) times the share of the prompt that fits beside the prompts in
+flight there. A holder with room keeps the full weight; one under pressure none.
+Measured with ``kvserve simulate`` on the conversation, agent-session and
+bursty-system-prompt traces at ×1, ×2 and ×4 (docs/benchmarks.md, "Future cost under
+cache pressure"): weight 8 with that discount keeps cache_aware's hit rate (within 0.01)
+at a lower mean TTFT than cache_aware's on all nine, but has a higher TTFT than weight 0
+on the bursty prompts (mean 2–2.7×) and the agent sessions at ×4 (1.3×). The default
+stays 0 (TTFT first); ``--kv-aware-recompute-weight 8`` keeps the hits.
 
 Ties (equal predictions) go to the less loaded worker, then by rendezvous hashing on the
 request's block chain rather than a per-process rotation: two router replicas with the
@@ -71,6 +80,7 @@ from typing import Any
 import xxhash
 
 from kvserve.core.cost_model import CostModel
+from kvserve.core.routing.future_cost import FutureCost, HolderPressure
 from kvserve.core.routing.kv_index import KVBlockIndex, WorkerMatch
 from kvserve.core.routing.load_order import LoadOrder
 from kvserve.core.routing.types import TakeBack, WorkerLoad
@@ -101,9 +111,16 @@ class KvAwareConfig:
     decode_request_s: float = 5e-3
     speculative_ttl_s: float = 2.0
     # Seconds of score per second of prefill a choice computes beyond what the deepest
-    # holder would: what the recompute costs the requests queued behind it (see the
-    # module docstring). 0 (the default, by measurement) ranks by this request's TTFT.
+    # holder would: what the recompute costs the requests queued behind it, discounted
+    # by the holder's pressure (see the module docstring). 0 (the default, by measurement:
+    # 8 keeps the hits but costs TTFT against 0) ranks by this request's TTFT.
     recompute_weight: float = 0.0
+    # The weight is discounted by the deepest holder's chance of still holding the prefix
+    # when the request runs there, from its cache's eviction rate averaged over
+    # ``retention_window_s`` (see :mod:`kvserve.core.routing.future_cost`); margin 0: no
+    # discount.
+    retention_margin: float = 1.0
+    retention_window_s: float = 60.0
     # (block, holder) entries the index keeps; None: unbounded (see KVBlockIndex)
     index_max_entries: int | None = None
 
@@ -121,6 +138,7 @@ class KvAwareConfig:
             raise ValueError("speculative_ttl_s must be >= 0")
         if self.recompute_weight < 0:
             raise ValueError("recompute_weight must be >= 0")
+        HolderPressure(self.retention_margin, self.retention_window_s)  # validates
 
     @classmethod
     def from_cost_model(cls, cost: CostModel, **overrides: Any) -> KvAwareConfig:
@@ -262,13 +280,14 @@ def _choose(
     tie_key: int,
     prompt_tokens: int,
     config: KvAwareConfig,
+    weight: float | None = None,
 ) -> KvAwareChoice:
     """Of (worker, TTFT, cached tokens): the smallest score (equal up to a nanosecond is
     a tie), then the lighter guards, then rendezvous hashing (computed for the tied only).
-    The score is the TTFT plus ``recompute_weight`` times the prefill seconds the choice
-    computes beyond what the deepest holder would."""
+    The score is the TTFT plus ``weight`` (default: ``recompute_weight``, undiscounted)
+    times the prefill seconds the choice computes beyond what the deepest holder would."""
     deepest = max(c for _, _, c in scored)
-    weight = config.recompute_weight
+    weight = config.recompute_weight if weight is None else weight
     floor_s = config.prefill_s(prompt_tokens - deepest, deepest) if weight else 0.0
 
     def score(ttft: float, cached: int) -> float:
@@ -302,6 +321,7 @@ class KvAwareRouting:
         self.index = index if index is not None else KVBlockIndex(config.index_max_entries)
         self.loads = LoadOrder(config.prefill_s, config.decode_request_s)
         self.queue = PrefillQueue(self.loads)
+        self.future = FutureCost(HolderPressure(config.retention_margin, config.retention_window_s))
 
     def select(
         self,
@@ -354,7 +374,22 @@ class KvAwareRouting:
             )
             for w in candidates
         ]
-        return _choose(scored, tie_key, prompt_tokens, self.config)
+        weight = self._weight(scored, block_size, prompt_tokens, now)
+        return _choose(scored, tie_key, prompt_tokens, self.config, weight)
+
+    def _weight(
+        self,
+        scored: Sequence[tuple[WorkerLoad, float, int]],
+        block_size: int,
+        prompt_tokens: int,
+        now: float,
+    ) -> float:
+        """The recompute weight for this decision, discounted by holder pressure."""
+        base = self.config.recompute_weight
+        if not base or not self.config.retention_margin:
+            return base
+        held = {w.worker_id: self.index.num_blocks(w.worker_id) for w, _, c in scored if c}
+        return self.future.weight(base, scored, held, block_size, prompt_tokens, now)
 
     def expect_prefill(
         self, choice: KvAwareChoice, block_hashes: Sequence[int], prompt_tokens: int, now: float
@@ -364,6 +399,7 @@ class KvAwareRouting:
         worker_id, cached = choice.worker_id, choice.prediction.cached_tokens
         seconds = self.config.prefill_s(prompt_tokens - cached, cached)
         ends_at = self.queue.push(worker_id, seconds, now)
+        self.future.routed(worker_id, prompt_tokens)
         withdraw = self.expect_blocks(worker_id, block_hashes, now)
 
         def take_back(at: float) -> None:
@@ -388,4 +424,5 @@ class KvAwareRouting:
     def forget_worker(self, worker_id: str) -> None:
         self.index.remove_worker(worker_id)
         self.queue.forget(worker_id)
+        self.future.forget(worker_id)
         self.loads.remove(worker_id)
