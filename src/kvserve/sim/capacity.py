@@ -64,6 +64,7 @@ def find_max_rate(
             bad = rate
         if good is None:
             return CapacityResult(None, probes)
+    assert good is not None and bad is not None  # each branch returned when one was missing
     while bad / good > 1 + tolerance:
         rate = (good * bad) ** 0.5  # the rates double: bisect their logarithm
         if meets(rate):
