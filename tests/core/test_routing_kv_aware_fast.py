@@ -74,8 +74,43 @@ def test_fast_rule_equals_the_exhaustive_one(
 ) -> None:
     routing, loads = build(fleet)
     workers = [w for i, w in enumerate(loads) if eligible_mask >> i & 1] or loads[:1]
-    hashes = PROMPT[:prompt_blocks]
-    tokens = prompt_blocks * BLOCK + 7
+    assert_fast_equals_exhaustive(routing, workers, PROMPT[:prompt_blocks], now)
+
+
+shared = st.tuples(
+    st.integers(0, 4),  # in-flight requests
+    st.integers(0, 3000),  # guarded prefill tokens
+    st.sampled_from([0, 4, 4, 12]),  # device blocks of the prompt: many share a depth
+    st.one_of(st.none(), st.floats(0.0, 0.5)),
+    st.sampled_from([0, 0, 800]),
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    fleet=st.lists(shared, min_size=3, max_size=30),
+    prompt_blocks=st.integers(1, 12),
+    now=st.floats(0.0, 0.8),
+)
+def test_many_holders_of_one_depth_reduce_to_the_lightest(
+    fleet: list[tuple[int, int, int, float | None, int]], prompt_blocks: int, now: float
+) -> None:
+    """A popular prefix held on device by many workers to the same depth: only the
+    lightest of each group are predicted, and the choice is still the reference's."""
+    routing, loads = build(
+        [
+            (requests, tokens, [(depth, "device", False)] if depth else [], queued, 0, others)
+            for requests, tokens, depth, queued, others in fleet
+        ]
+    )
+    assert_fast_equals_exhaustive(routing, loads, PROMPT[:prompt_blocks], now)
+
+
+def assert_fast_equals_exhaustive(
+    routing: KvAwareRouting, workers: list[WorkerLoad], hashes: list[int], now: float
+) -> None:
+    """The same smallest (TTFT, load) and reason; the same worker unless tied."""
+    tokens = len(hashes) * BLOCK + 7
     ids = [w.worker_id for w in workers]
     reference = lowest_ttft(
         workers,

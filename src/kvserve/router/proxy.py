@@ -133,8 +133,8 @@ class Proxy:
         loads = [self._tracker.load(w.worker_id) for w in workers]
         decision = self._policy.select(query, loads, now)
         self._metrics.record_decision(decision)
-        by_id = {w.worker_id: w for w in workers}
-        return by_id[decision.worker_id], decision
+        chosen = next(w for w in workers if w.worker_id == decision.worker_id)
+        return chosen, decision
 
     async def _attempt(
         self,

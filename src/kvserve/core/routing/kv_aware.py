@@ -232,15 +232,21 @@ def _ttft(
     host_tokens = by_tier.get("host", 0) * block_size
     storage_tokens = by_tier.get("storage", 0) * block_size
     cached = min(match.num_blocks * block_size, prompt_tokens)
-    guarded_s = config.prefill_s(worker.in_flight_prefill_tokens)
     ttft = (
-        min(queued_s, guarded_s)
+        _load_term(worker, queued_s, config)
         + config.prefill_s(prompt_tokens - cached, cached)
         + (host_tokens * config.host_load_token_s + storage_tokens * config.storage_load_token_s)
+    )
+    return ttft, cached
+
+
+def _load_term(worker: WorkerLoad, queued_s: float, config: KvAwareConfig) -> float:
+    """The part of a worker's predicted TTFT that does not depend on the prompt."""
+    return (
+        min(queued_s, config.prefill_s(worker.in_flight_prefill_tokens))
         + worker.in_flight_requests * config.decode_request_s
         + config.prefill_s(worker.others_prefill_tokens)
     )
-    return ttft, cached
 
 
 def _rendezvous(tie_key: int, worker_id: str) -> int:
@@ -359,7 +365,10 @@ class KvAwareRouting:
             if w in by_id
         }
         tie_key = block_hashes[-1] if block_hashes else prompt_tokens
-        candidates = [*matches, *self.loads.lightest(by_id, matches, now, tie_key)]
+        candidates = [
+            *self._lightest_holders(matches, by_id, now),
+            *self.loads.lightest(by_id, matches, now, tie_key),
+        ]
         scored = [
             (
                 by_id[w],
@@ -390,6 +399,47 @@ class KvAwareRouting:
             return base
         held = {w.worker_id: self.index.num_blocks(w.worker_id) for w, _, c in scored if c}
         return self.future.weight(base, scored, held, block_size, prompt_tokens, now)
+
+    def _lightest_holders(
+        self, matches: Mapping[str, WorkerMatch], by_id: Mapping[str, WorkerLoad], now: float
+    ) -> list[str]:
+        """The holders worth predicting. Holders with the same match (blocks per tier)
+        differ only by their load term, so where many share one (a popular system
+        prompt, speculated wherever it was routed) only the lightest of them can win:
+        one pass over the group for the load term alone, not a prediction each.
+        Groups are the matches :meth:`KVBlockIndex.match_holders` shares (every holder
+        wholly on device to one depth); one with a host or storage block is alone.
+        Holders tied in (load term, sort key) all stay, for :func:`_choose` to break.
+        """
+        groups: dict[int, list[str]] = {}  # by the shared match's identity
+        for worker_id, match in matches.items():
+            groups.setdefault(id(match), []).append(worker_id)
+        chosen: list[str] = []
+        queued_s, config = self.queue.queued_s, self.config
+        token_s, pair_s = config.prefill_token_s, config.attention_pair_s
+        for group in groups.values():
+            if len(group) < 3:
+                chosen += group
+                continue
+            best: tuple[float, int, int] | None = None
+            lightest: list[str] = []
+            for worker_id in group:
+                load = by_id[worker_id]
+                held, others = load.in_flight_prefill_tokens, load.others_prefill_tokens
+                # _load_term inlined (prefill_s with nothing cached): the hot loop
+                guarded_s = held * token_s + held * ((held + 1) / 2) * pair_s
+                term = min(queued_s(worker_id, now), guarded_s) + (
+                    load.in_flight_requests * config.decode_request_s
+                )
+                if others:
+                    term += config.prefill_s(others)
+                key = (round(term, 9), *load.sort_key)
+                if best is None or key < best:
+                    best, lightest = key, [worker_id]
+                elif key == best:
+                    lightest.append(worker_id)
+            chosen += lightest
+        return chosen
 
     def expect_prefill(
         self, choice: KvAwareChoice, block_hashes: Sequence[int], prompt_tokens: int, now: float

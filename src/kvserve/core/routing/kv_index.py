@@ -267,7 +267,8 @@ class KVBlockIndex:
         a block narrows it with two mask operations, and the workers it drops have their
         depth. A worker whose matched blocks are all on device (or speculative) is done
         then; the few with a host or storage block in their prefix are walked once more
-        alone for the split by tier.
+        alone for the split by tier. Holders matched wholly on device to the same depth
+        share one :class:`WorkerMatch` (so that a caller can group them by identity).
         """
         self.expire(now)
         holders, speculative, first = self._holders, self._speculative_holders, self._first_bits
@@ -293,13 +294,20 @@ class KVBlockIndex:
             if alive not in (0, -1):
                 _record_depths(alive, len(block_hashes), depths)
         result: dict[str, WorkerMatch] = {}
+        on_device: dict[int, WorkerMatch] = {}  # depth -> the one match all such share
+        slot_workers = self._slot_workers
         for slot, depth in depths.items():
-            worker_id = self._slot_workers[slot]
+            worker_id = slot_workers[slot]
             assert worker_id is not None, "a free slot holds no bits"
             if off_device >> (slot * len(TIERS)) & 1:
                 result[worker_id] = self._walk(worker_id, block_hashes, depth)
             else:
-                result[worker_id] = WorkerMatch({"device": depth, "host": 0, "storage": 0})
+                match = on_device.get(depth)
+                if match is None:
+                    match = on_device[depth] = WorkerMatch(
+                        {"device": depth, "host": 0, "storage": 0}
+                    )
+                result[worker_id] = match
         return result
 
     def _walk(self, worker_id: str, block_hashes: Sequence[int], limit: int) -> WorkerMatch:
