@@ -70,6 +70,15 @@ def register(app: typer.Typer) -> None:
                 "(default: the model a worker serves, when that is a local folder)."
             ),
         ] = None,
+        peers: Annotated[
+            list[str] | None,
+            typer.Option(
+                "--peers",
+                help="Other router replicas of this fleet (repeat the flag, or A,B): this "
+                "router announces its routing to them and applies theirs, so each sees the "
+                "fleet's in-flight load (POST /peers/announcements; GET /peers shows them).",
+            ),
+        ] = None,
         host: str = "127.0.0.1",
         port: int = 8000,
         api_key: Annotated[
@@ -198,6 +207,7 @@ def register(app: typer.Typer) -> None:
                 session_header=session_header,
                 tokenizer=tokenizer,
                 seed=seed,
+                peer_urls=_url_list(peers),
                 retry=RetryConfig(
                     max_retries=max_retries,
                     initial_backoff_s=retry_initial_backoff,

@@ -14,8 +14,11 @@ import aiohttp
 import orjson
 from aiohttp import web
 
+from kvserve.core.routing.announcements import PeerView
+from kvserve.core.routing.announcing_policy import AnnouncingPolicy
 from kvserve.core.routing.kv_index import TIERS
 from kvserve.core.routing.policies.kv_aware import KvAwarePolicy
+from kvserve.core.routing.policy import Policy
 from kvserve.core.routing.types import WorkerLoad
 from kvserve.router.access import bearer_matches, control_plane_refusal, unauthorized
 from kvserve.router.client_guard import client_limits_middleware, serve
@@ -30,6 +33,7 @@ from kvserve.router.kv_event_subscriber import KVEventSubscriber
 from kvserve.router.load_guard import LoadTracker
 from kvserve.router.metrics import RouterMetrics
 from kvserve.router.pd_proxy import PDProxy
+from kvserve.router.peers import ANNOUNCEMENTS_PATH, PeerLink
 from kvserve.router.prompt_preparer import PromptPreparer
 from kvserve.router.proxy import Proxy
 from kvserve.router.worker_registry import Worker, WorkerRegistry
@@ -49,6 +53,7 @@ class Router:
     def __init__(self, config: RouterConfig) -> None:
         self.config = config
         self.metrics = RouterMetrics()
+        self._admin_key = config.admin_api_key or config.api_key
         self.tracker = LoadTracker(on_change=self._load_changed)
         self.registry = WorkerRegistry(config.circuit_breaker)
         self.metrics.show_loads(self._loads_to_show)
@@ -58,11 +63,21 @@ class Router:
             for url in urls:
                 self.registry.add(url, pool)
         self.policy = config.make_policy(time.monotonic())
+        # With peers, the proxy's policy announces each choice; the rest reads self.policy.
+        self.peers: PeerLink | None = None
+        self._routing_policy: Policy = self.policy
+        if config.peer_urls:
+            self.peers = PeerLink(
+                config.peer_urls,
+                lambda _: PeerView(self.policy.observe_peer_choice, self._peer_load_changed),
+                self._peer_headers(),
+            )
+            self.tracker.peer_load = self.peers.view.load
+            self._routing_policy = AnnouncingPolicy(self.policy, self.peers.announcer)
         self.preparer = (
             PromptPreparer(config.tokenizer) if self.policy.reads_prompt_blocks else None
         )
         self.subscriber: KVEventSubscriber | None = None
-        self._admin_key = config.admin_api_key or config.api_key
         self._session: aiohttp.ClientSession | None = None
         self._proxy: Proxy | None = None
         self._health: HealthChecker | None = None
@@ -76,7 +91,13 @@ class Router:
         headers = self.config.worker_headers()
         async with aiohttp.ClientSession(connector=connector, headers=headers) as session:
             self._session = session
-            proxy_args = (self.config, self.registry, self.tracker, self.policy, self.metrics)
+            proxy_args = (
+                self.config,
+                self.registry,
+                self.tracker,
+                self._routing_policy,
+                self.metrics,
+            )
             if self.config.pd_mode:
                 self._proxy = PDProxy(*proxy_args, session, preparer=self.preparer)
             else:
@@ -95,6 +116,8 @@ class Router:
                     block_size=self.config.kv_block_size,
                 )
                 tasks.append(asyncio.create_task(self.subscriber.run_forever()))
+            if self.peers is not None:
+                tasks.append(asyncio.create_task(self.peers.run_forever(session)))
             if isinstance(self._proxy, PDProxy):  # decode headroom for the pair choice
                 tasks.append(asyncio.create_task(self._proxy.poll_decode_loads_forever()))
             yield
@@ -108,11 +131,27 @@ class Router:
         """Every registered worker's held load, and that of removed ones still held."""
         ids = dict.fromkeys([w.worker_id for w in self.registry.all()])
         ids.update(dict.fromkeys(self.tracker.held_worker_ids()))
-        return [self.tracker.load(worker_id) for worker_id in ids]
+        return [self.tracker.own_load(worker_id) for worker_id in ids]
 
     def _load_changed(self, load: WorkerLoad) -> None:
-        """Guards changed: the policy reorders its workers (the gauges read the tracker)."""
-        self.policy.observe_load(load)
+        """Guards changed: the policy reorders its workers (the gauges read the tracker),
+        and the peers are told."""
+        if self.peers is None:
+            self.policy.observe_load(load)
+            return
+        self.peers.announcer.load(
+            load.worker_id, load.in_flight_requests, load.in_flight_prefill_tokens
+        )
+        self.policy.observe_load(self.tracker.load(load.worker_id))
+
+    def _peer_load_changed(self, worker_id: str) -> None:
+        """A peer's guards changed: the policy sees the sum."""
+        self.policy.observe_load(self.tracker.load(worker_id))
+
+    def _peer_headers(self) -> dict[str, str]:
+        """Peers run with this router's settings: its control-plane key is theirs."""
+        key = self._admin_key
+        return {} if key is None else {"Authorization": f"Bearer {key}"}
 
     def build_app(self) -> web.Application:
         app = web.Application(
@@ -130,6 +169,8 @@ class Router:
                 web.get("/workers", self._control_plane(self.list_workers)),
                 web.post("/workers", self._control_plane(self.add_worker)),
                 web.delete("/workers/{worker_id}", self._control_plane(self.remove_worker)),
+                web.get("/peers", self._control_plane(self.list_peers)),
+                web.post(ANNOUNCEMENTS_PATH, self._control_plane(self.peer_announcements)),
                 *DashboardRoutes(self.dashboard_data).routes(self._control_plane),
             ]
         )
@@ -192,13 +233,45 @@ class Router:
             self.registry, self.tracker, self.metrics, self._sampler, self.config.policy
         )
 
+    async def list_peers(self, _request: web.Request) -> web.Response:
+        """This replica's peers and what it heard from them (404 without --peers)."""
+        if self.peers is None:
+            return openai_error(
+                404,
+                "this router has no --peers",
+                error_type="invalid_request_error",
+                code="no_peers",
+            )
+        return _json(self.peers.describe())
+
+    async def peer_announcements(self, request: web.Request) -> web.Response:
+        """A peer replica's announcements (router/peers.py), applied before answering."""
+        if self.peers is None:
+            return openai_error(
+                404,
+                "this router has no --peers",
+                error_type="invalid_request_error",
+                code="no_peers",
+            )
+        try:
+            applied = self.peers.receive(await request.read())
+        except ValueError as error:
+            return openai_error(
+                400, str(error), error_type="invalid_request_error", code="bad_announcement"
+            )
+        return _json({"applied": applied})
+
     def _describe(self, worker: Worker) -> dict[str, object]:
-        load = self.tracker.load(worker.worker_id)
+        load = self.tracker.own_load(worker.worker_id)
         described: dict[str, object] = {
             **worker.describe(),
             "in_flight_requests": load.in_flight_requests,
             "in_flight_prefill_tokens": load.in_flight_prefill_tokens,
         }
+        if self.peers is not None:  # what the other replicas announced they hold there
+            peer_requests, peer_tokens = self.peers.view.load(worker.worker_id)
+            described["peers_in_flight_requests"] = peer_requests
+            described["peers_in_flight_prefill_tokens"] = peer_tokens
         follower = self.subscriber.zmq_followers.get(worker.worker_id) if self.subscriber else None
         if follower is not None:  # how its ZMQ stream has gone: gaps, replays, index drops
             described["kv_events_stream"] = {

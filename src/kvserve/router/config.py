@@ -75,6 +75,9 @@ class RouterConfig:
     client_limits: ClientLimits = field(default_factory=ClientLimits)  # slow or greedy clients
     chars_per_token: float = 4.0  # prefill estimate without a tokenizer
     seed: int | None = None  # for the random policies; None: seeded from the OS
+    # Other router replicas of this fleet: announce routing to them, apply theirs
+    # (router/peers.py)
+    peer_urls: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.policy not in POLICY_NAMES:
@@ -91,6 +94,9 @@ class RouterConfig:
         self.kv_event_sources()  # raises ValueError on a malformed one
         if self.kv_block_size is not None and self.kv_block_size <= 0:
             raise ValueError("--kv-block-size must be positive")
+        for url in self.peer_urls:
+            if not url.startswith(("http://", "https://")):
+                raise ValueError(f"--peers takes router URLs (http://host:port), got {url!r}")
 
     def kv_event_sources(self) -> tuple[KVEventSource, ...]:
         """Each worker URL's event source, by position."""
