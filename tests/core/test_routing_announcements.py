@@ -45,6 +45,17 @@ def test_an_announcement_survives_its_wire_form() -> None:
     assert full.full and full.loads == (LoadNote("w1", 2, 24),)
 
 
+def test_workers_are_renamed_and_unknown_ones_left_out() -> None:
+    announcement = Announcement(
+        "a",
+        choices=(ChoiceNote(0, "w0", (1,), 20, 0), ChoiceNote(1, "w9", (2,), 20, 0)),
+        loads=(LoadNote("w0", 1, 20), LoadNote("w9", 1, 20)),
+    )
+    renamed = announcement.renamed({"w0": "http://a:1"}.get)
+    assert [c.worker_id for c in renamed.choices] == ["http://a:1"]
+    assert renamed.loads == (LoadNote("http://a:1", 1, 20),)
+
+
 @pytest.mark.parametrize(
     "bad",
     [

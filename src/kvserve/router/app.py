@@ -71,6 +71,8 @@ class Router:
                 config.peer_urls,
                 lambda _: PeerView(self.policy.observe_peer_choice, self._peer_load_changed),
                 self._peer_headers(),
+                worker_url=lambda worker_id: getattr(self.registry.get(worker_id), "url", None),
+                worker_id=self.registry.id_of,
             )
             self.tracker.peer_load = self.peers.view.load
             self._routing_policy = AnnouncingPolicy(self.policy, self.peers.announcer)

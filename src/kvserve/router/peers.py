@@ -6,6 +6,9 @@ this module is the channel. Everything a replica notes during one turn of its ev
 ``call_soon`` when the first note of the turn comes: the others hear of a burst's choices
 within one loop turn and one loopback round trip, not at a polling interval.
 
+Workers are named by URL on the wire (each replica numbers its workers in the order it
+registered them); a worker a peer does not know is left out of what it applies.
+
 Each peer has its own sender task and outbox, so a slow or dead peer delays nobody else's
 announcements, and routing never waits for any: a send is a ``POST /peers/announcements``
 carrying every announcement queued since that peer's last send. A failed send drops that
@@ -56,6 +59,8 @@ class PeerLink:
         peer_urls: tuple[str, ...],
         view: Callable[[Announcer], PeerView],
         headers: dict[str, str],
+        worker_url: Callable[[str], str | None],
+        worker_id: Callable[[str], str | None],
         clock: Callable[[], float] = time.monotonic,
         full_every_s: float = 1.0,
         peer_timeout_s: float = 5.0,
@@ -66,6 +71,8 @@ class PeerLink:
         self.view = view(self.announcer)
         self._peers = [_Peer(url.rstrip("/")) for url in peer_urls]
         self._headers = headers
+        self._worker_url = worker_url  # this router's worker id -> URL (None: gone)
+        self._worker_id = worker_id  # URL -> this router's worker id (None: not ours)
         self._clock = clock
         self._full_every_s = full_every_s
         self._peer_timeout_s = peer_timeout_s
@@ -83,7 +90,7 @@ class PeerLink:
             raise ValueError(f"not JSON: {error}") from None
         if not isinstance(values, list):
             raise ValueError("expected a JSON list of announcements")
-        announcements = [Announcement.from_json(value) for value in values]
+        announcements = [Announcement.from_json(value).renamed(self._worker_id) for value in values]
         now = self._clock()
         for announcement in announcements:
             if announcement.origin == self.announcer.origin:
@@ -138,6 +145,7 @@ class PeerLink:
         announcement = self.announcer.take()
         if announcement.is_empty():
             return
+        announcement = announcement.renamed(self._worker_url)
         now = self._clock()
         for peer in self._peers:
             if peer.down_until <= now:
@@ -179,7 +187,8 @@ class PeerLink:
 
     def _full(self) -> Announcement:
         loads = tuple(LoadNote(w, r, t) for w, (r, t) in self.announcer.held().items())
-        return Announcement(self.announcer.origin, loads=loads, full=True)
+        full = Announcement(self.announcer.origin, loads=loads, full=True)
+        return full.renamed(self._worker_url)
 
     def _forget_silent(self) -> None:
         horizon = self._clock() - self._peer_timeout_s

@@ -27,6 +27,7 @@ router over HTTP (:mod:`kvserve.router.peers`); both call :meth:`PeerView.apply`
 
 from __future__ import annotations
 
+import dataclasses
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -71,6 +72,20 @@ class Announcement:
 
     def is_empty(self) -> bool:
         return not (self.choices or self.undone or self.loads or self.full)
+
+    def renamed(self, name: Callable[[str], str | None]) -> Announcement:
+        """The same with each worker id replaced by ``name(id)``; the notes of a worker
+        named None are left out. Replicas may number the same workers differently (in
+        the order each registered them): the router's channel names them by URL."""
+        choices = []
+        for c in self.choices:
+            if (worker := name(c.worker_id)) is not None:
+                choices.append(dataclasses.replace(c, worker_id=worker))
+        loads = []
+        for n in self.loads:
+            if (worker := name(n.worker_id)) is not None:
+                loads.append(dataclasses.replace(n, worker_id=worker))
+        return dataclasses.replace(self, choices=tuple(choices), loads=tuple(loads))
 
     def to_json(self) -> dict[str, Any]:
         """The wire form: lists of plain values, small and quick to encode."""
