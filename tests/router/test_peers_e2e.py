@@ -5,11 +5,13 @@ announcement is refused with OpenAI's error body."""
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import aiohttp
 import httpx
 import pytest
 
@@ -149,6 +151,8 @@ def test_a_choice_on_one_replica_is_a_hit_on_the_other(replicas, model_dir: Path
     assert "reason=cache_hit" in second.headers["x-kvserve-decision"]
     peers_of_b = httpx.get(b.url + "/peers").json()
     assert peers_of_b["choices_recorded"] >= 1 and peers_of_b["received"] >= 1
+    (a_to_b,) = httpx.get(a.url + "/peers").json()["peers"]
+    assert a_to_b["up"] and a_to_b["messages"] >= 1  # over the stream, not a POST each
     wait_for(lambda: all_released(a) and all_released(b), "every guard released on both")
 
 
@@ -159,6 +163,22 @@ def test_a_malformed_announcement_is_refused(replicas) -> None:
         assert response.status_code == 400
         error = response.json()["error"]
         assert error["code"] == "bad_announcement" and error["type"] == "invalid_request_error"
+
+
+def test_a_malformed_stream_message_closes_the_stream(replicas) -> None:
+    a, _, _ = replicas
+
+    async def send_garbage() -> int | None:
+        async with (
+            aiohttp.ClientSession() as session,
+            session.ws_connect(a.url + "/peers/stream") as stream,
+        ):
+            await stream.send_bytes(b'[{"origin": 7}]')
+            message = await stream.receive(timeout=DEADLINE_S)
+            assert message.type in (aiohttp.WSMsgType.CLOSE, aiohttp.WSMsgType.CLOSED)
+            return stream.close_code
+
+    assert asyncio.run(send_garbage()) == aiohttp.WSCloseCode.UNSUPPORTED_DATA
 
 
 def test_a_peer_that_is_down_stalls_nothing(replicas, model_dir: Path) -> None:

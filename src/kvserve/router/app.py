@@ -33,7 +33,7 @@ from kvserve.router.kv_event_subscriber import KVEventSubscriber
 from kvserve.router.load_guard import LoadTracker
 from kvserve.router.metrics import RouterMetrics
 from kvserve.router.pd_proxy import PDProxy
-from kvserve.router.peers import ANNOUNCEMENTS_PATH, PeerLink
+from kvserve.router.peers import ANNOUNCEMENTS_PATH, STREAM_PATH, PeerLink
 from kvserve.router.prompt_preparer import PromptPreparer
 from kvserve.router.proxy import Proxy
 from kvserve.router.worker_registry import Worker, WorkerRegistry
@@ -173,6 +173,7 @@ class Router:
                 web.delete("/workers/{worker_id}", self._control_plane(self.remove_worker)),
                 web.get("/peers", self._control_plane(self.list_peers)),
                 web.post(ANNOUNCEMENTS_PATH, self._control_plane(self.peer_announcements)),
+                web.get(STREAM_PATH, self._control_plane(self.peer_stream)),
                 *DashboardRoutes(self.dashboard_data).routes(self._control_plane),
             ]
         )
@@ -262,6 +263,30 @@ class Router:
                 400, str(error), error_type="invalid_request_error", code="bad_announcement"
             )
         return _json({"applied": applied})
+
+    async def peer_stream(self, request: web.Request) -> web.StreamResponse:
+        """A peer replica's stream of announcements (router/peers.py): each message is
+        applied as it comes; a malformed one closes the stream (the peer reconnects and
+        starts over with a full announcement)."""
+        if self.peers is None:
+            return openai_error(
+                404,
+                "this router has no --peers",
+                error_type="invalid_request_error",
+                code="no_peers",
+            )
+        stream = web.WebSocketResponse(max_msg_size=self.config.max_request_bytes)
+        await stream.prepare(request)
+        async for message in stream:
+            if message.type not in (aiohttp.WSMsgType.BINARY, aiohttp.WSMsgType.TEXT):
+                break
+            data = message.data if isinstance(message.data, bytes) else message.data.encode()
+            try:
+                self.peers.receive(data)
+            except ValueError as error:
+                log.warning("a peer sent a malformed announcement (%s): stream closed", error)
+                await stream.close(code=aiohttp.WSCloseCode.UNSUPPORTED_DATA)
+        return stream
 
     def _describe(self, worker: Worker) -> dict[str, object]:
         load = self.tracker.own_load(worker.worker_id)
