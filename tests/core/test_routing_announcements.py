@@ -17,7 +17,9 @@ from kvserve.core.routing.announcements import (
     PeerView,
 )
 from kvserve.core.routing.announcing_policy import AnnouncingPolicy
+from kvserve.core.routing.cache_aware import CacheAwareConfig
 from kvserve.core.routing.kv_aware import KvAwareConfig
+from kvserve.core.routing.policies.cache_aware import CacheAwarePolicy
 from kvserve.core.routing.policies.kv_aware import KvAwarePolicy
 from kvserve.core.routing.types import PromptBlocks, RouteQuery, RoutingDecision, WorkerLoad
 
@@ -114,6 +116,28 @@ def test_an_undone_choice_leaves_a_peer_as_it_was() -> None:
     view.apply(origin.announcer.take(), 0.0)
     assert peer.routing.index.num_speculative(decision.worker_id) == 0
     assert peer.routing.queue.queued_s(decision.worker_id, 0.0) == 0.0
+
+
+def test_a_cache_aware_peer_learns_the_text_and_forgets_it_on_undo() -> None:
+    origin = AnnouncingPolicy(CacheAwarePolicy(CacheAwareConfig(), 0.0), Announcer("a"))
+    peer = CacheAwarePolicy(CacheAwareConfig(), 0.0)
+    view = PeerView(peer.observe_peer_choice)
+    workers = [WorkerLoad("w0"), WorkerLoad("w1"), WorkerLoad("w2")]
+    text = "a long shared system prompt, then a question"
+    first = origin.select(RouteQuery(text, model="m"), workers, 0.0)
+    sent = origin.announcer.take()
+    assert Announcement.from_json(sent.to_json()) == sent
+    view.apply(sent, 0.0)
+    follow_up = RouteQuery(text + " and its follow-up", model="m")
+    assert peer.select(follow_up, workers, 0.0).worker_id == first.worker_id
+    assert peer.index.tree("regular", "other").match(text) == {}  # per model, as its own
+    fresh = CacheAwarePolicy(CacheAwareConfig(), 0.0)
+    view = PeerView(fresh.observe_peer_choice)
+    second = origin.select(RouteQuery("another prompt entirely", model="m"), workers, 0.0)
+    view.apply(origin.announcer.take(), 0.0)
+    origin.undo(second, 0.0)
+    view.apply(origin.announcer.take(), 0.0)
+    assert fresh.index.tree("regular", "m").match("another prompt entirely") == {}
 
 
 def test_choices_past_the_undo_window_are_forgotten() -> None:

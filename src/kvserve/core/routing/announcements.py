@@ -42,13 +42,20 @@ DEFAULT_UNDO_WINDOW_S = 30.0
 
 @dataclass(frozen=True, slots=True)
 class ChoiceNote:
-    """One routing choice of the origin: ``seq`` numbers its choices (for the undo)."""
+    """One routing choice of the origin: ``seq`` numbers its choices (for the undo).
+
+    What a policy records of a choice: kv_aware the prompt's block hashes, tokens and
+    the tokens predicted cached; cache_aware the prompt's text in its pool and model's
+    tree (``text`` is empty for the others)."""
 
     seq: int
     worker_id: str
     block_hashes: tuple[int, ...]
     prompt_tokens: int
     cached_tokens: int
+    text: str = ""
+    model: str = ""
+    pool: str = "regular"
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,10 +98,7 @@ class Announcement:
         """The wire form: lists of plain values, small and quick to encode."""
         return {
             "origin": self.origin,
-            "choices": [
-                [c.seq, c.worker_id, list(c.block_hashes), c.prompt_tokens, c.cached_tokens]
-                for c in self.choices
-            ],
+            "choices": [_choice_json(c) for c in self.choices],
             "undone": list(self.undone),
             "loads": [[n.worker_id, n.requests, n.prefill_tokens] for n in self.loads],
             "full": self.full,
@@ -106,12 +110,7 @@ class Announcement:
         if not isinstance(value, Mapping) or not isinstance(value.get("origin"), str):
             raise ValueError('an announcement is an object with a string "origin"')
         try:
-            choices = tuple(
-                ChoiceNote(
-                    _int(seq), _str(worker), tuple(_int(h) for h in hashes), _int(t), _int(c)
-                )
-                for seq, worker, hashes, t, c in value.get("choices", ())
-            )
+            choices = tuple(_parse_choice(choice) for choice in value.get("choices", ()))
             undone = tuple(_int(seq) for seq in value.get("undone", ()))
             loads = tuple(
                 LoadNote(_str(worker), _nonnegative(r), _nonnegative(t))
@@ -120,6 +119,38 @@ class Announcement:
         except (TypeError, ValueError) as error:
             raise ValueError(f"malformed announcement: {error}") from None
         return cls(value["origin"], choices, undone, loads, bool(value.get("full", False)))
+
+
+def _choice_json(c: ChoiceNote) -> list[object]:
+    fields: list[object] = [
+        c.seq,
+        c.worker_id,
+        list(c.block_hashes),
+        c.prompt_tokens,
+        c.cached_tokens,
+    ]
+    if c.text:
+        fields += [c.text, c.model, c.pool]
+    return fields
+
+
+def _parse_choice(value: object) -> ChoiceNote:
+    if not isinstance(value, list) or len(value) not in (5, 8):
+        raise ValueError(f"a choice is a list of 5 or 8 values, got {value!r:.80}")
+    seq, worker, hashes, tokens, cached = value[:5]
+    if not isinstance(hashes, list):
+        raise ValueError("a choice's block hashes are a list")
+    text, model, pool = (_str(v) for v in value[5:]) if len(value) == 8 else ("", "", "regular")
+    return ChoiceNote(
+        _int(seq),
+        _str(worker),
+        tuple(_int(h) for h in hashes),
+        _int(tokens),
+        _int(cached),
+        text,
+        model,
+        pool,
+    )
 
 
 def _int(value: object) -> int:
@@ -155,14 +186,22 @@ class Announcer:
         self._loads: dict[str, tuple[int, int]] = {}  # own guards, nonzero only
 
     def choice(
-        self, worker_id: str, block_hashes: Sequence[int], prompt_tokens: int, cached_tokens: int
+        self,
+        worker_id: str,
+        block_hashes: Sequence[int],
+        prompt_tokens: int,
+        cached_tokens: int,
+        text: str = "",
+        model: str = "",
+        pool: str = "regular",
     ) -> int:
         """Record a choice; returns its number, for :meth:`undo`."""
         seq = self._next_seq
         self._next_seq += 1
-        self._choices.append(
-            ChoiceNote(seq, worker_id, tuple(block_hashes), prompt_tokens, cached_tokens)
+        note = ChoiceNote(
+            seq, worker_id, tuple(block_hashes), prompt_tokens, cached_tokens, text, model, pool
         )
+        self._choices.append(note)
         self._noted()
         return seq
 

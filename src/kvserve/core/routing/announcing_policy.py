@@ -2,11 +2,12 @@
 simulator's replicas wrap their policy in it, so that the caller's code (the proxy's
 select, undo) stays as it is for one router.
 
-Only choices made with the prompt's block hashes are announced (kv_aware's): they are
-what a peer's policy can record (``Policy.observe_peer_choice``). Other policies, and
-the prefill/decode pair choice, announce nothing of a choice; their guards' load is
-announced all the same (by whoever owns the guards, through
-:meth:`~kvserve.core.routing.announcements.Announcer.load`).
+A choice is announced with what the policy records of it (``Policy.peer_choice_input``):
+kv_aware's with the prompt's block hashes, cache_aware's with the prompt's text, so that
+a peer's policy records it as its own (``Policy.observe_peer_choice``). The other
+policies record nothing of a choice and announce none; nor does the prefill/decode pair
+choice (not built). Guards' load is announced whatever the policy (by whoever owns the
+guards, through :meth:`~kvserve.core.routing.announcements.Announcer.load`).
 """
 
 from __future__ import annotations
@@ -41,12 +42,18 @@ class AnnouncingPolicy(Policy):
     ) -> RoutingDecision:
         decision = self.inner.select(query, workers, now)
         blocks = query.blocks
-        if blocks is None or not self.inner.reads_prompt_blocks:
+        kind = self.inner.peer_choice_input
+        if kind == "blocks" and blocks is not None:
+            cached = round(decision.matched_fraction * blocks.num_tokens)
+            seq = self.announcer.choice(
+                decision.worker_id, blocks.reusable_hashes, blocks.num_tokens, cached
+            )
+        elif kind == "text":
+            seq = self.announcer.choice(
+                decision.worker_id, (), query.prefill_tokens, 0, query.text, query.model, query.pool
+            )
+        else:
             return decision
-        cached = round(decision.matched_fraction * blocks.num_tokens)
-        seq = self.announcer.choice(
-            decision.worker_id, blocks.reusable_hashes, blocks.num_tokens, cached
-        )
         inner_take_back = decision.take_back
 
         def take_back(at: float) -> None:

@@ -45,6 +45,9 @@ class Policy(ABC):
     # and the workers' KV events (the router then follows every worker's stream).
     reads_prompt_blocks: ClassVar[bool] = False
     observes_kv_events: ClassVar[bool] = False
+    # What ``observe_peer_choice`` needs of another router replica's choice: the prompt's
+    # "blocks" (kv_aware), its "text" (cache_aware), or nothing (None: it records none).
+    peer_choice_input: ClassVar[str | None] = None
 
     @abstractmethod
     def select(

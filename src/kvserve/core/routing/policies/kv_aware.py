@@ -47,6 +47,7 @@ class KvAwarePolicy(Policy):
     name = "kv_aware"
     reads_prompt_blocks = True
     observes_kv_events = True
+    peer_choice_input = "blocks"
 
     def __init__(self, config: KvAwareConfig) -> None:
         self.routing = KvAwareRouting(config)
