@@ -1,7 +1,8 @@
-"""What announcing costs a router replica: kv_aware with ``--peers`` vs alone.
+"""What announcing costs a router replica: ``--peers`` vs alone.
 
-Two cost-model workers (the tiny profile: answers in milliseconds), and three kv_aware
-routers over them: ``solo`` (no peers), and ``A`` and ``B`` peering with each other.
+Two cost-model workers (the tiny profile: answers in milliseconds), and three routers
+(``--policy``, kv_aware by default; cache_aware announces each prompt's text) over them:
+``solo`` (no peers), and ``A`` and ``B`` peering with each other.
 Rounds alternate between ``solo`` and ``A`` so that machine noise hits both alike; in
 each, a closed loop of ``--concurrency`` aiohttp clients sends ~1 KB completions (a shared
 system prompt, a fresh question each) for ``--duration`` seconds. Reported per round and
@@ -9,7 +10,8 @@ as medians: requests/s, the router's CPU per request (user + system, from ``/pro
 Linux only) and, for ``A``, the CPU its peer ``B`` spent receiving and applying A's
 announcements, per request of A's.
 
-Run: ``python benchmarks/router_peers.py [--rounds 5] [--duration 10] [--concurrency 8]``
+Run: ``python benchmarks/router_peers.py [--policy kv_aware] [--rounds 5] [--duration 10]
+[--concurrency 8]``
 """
 
 from __future__ import annotations
@@ -75,6 +77,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--duration", type=float, default=10.0)
     parser.add_argument("--concurrency", type=int, default=8)
+    parser.add_argument("--policy", default="kv_aware", choices=("kv_aware", "cache_aware"))
     args = parser.parse_args()
     from kvserve.engine.tiny_model import make_tiny_model
 
@@ -84,7 +87,7 @@ def main() -> None:
         workers = [_start_worker(model_dir) for _ in range(2)]
         servers += workers
         urls = [w.url for w in workers]
-        kv = ("--policy", "kv_aware", "--tokenizer", str(model_dir))
+        kv = ("--policy", args.policy, "--tokenizer", str(model_dir))
         solo = start_router(urls, free_port(), *kv)
         servers.append(solo)
         port_a, port_b = free_port(), free_port()
@@ -92,7 +95,7 @@ def main() -> None:
         servers.append(a)
         b = start_router(urls, port_b, *kv, "--peers", f"http://127.0.0.1:{port_a}")
         servers.append(b)
-        print(f"load average at start: {os.getloadavg()}")
+        print(f"policy {args.policy}; load average at start: {os.getloadavg()}")
         rows: dict[str, list[tuple[float, float, float]]] = {"solo": [], "A (peers)": []}
         offset = 0
         for round_index in range(args.rounds):
