@@ -143,9 +143,14 @@ class PeerLink:
 
     def _schedule(self) -> None:
         """The first note of a loop turn: send what the turn noted once it is over."""
-        if not self._scheduled:
-            self._scheduled = True
-            asyncio.get_running_loop().call_soon(self._flush)
+        if self._scheduled:
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # outside the server's loop (shutting down): the next turn sends
+            return
+        self._scheduled = True
+        loop.call_soon(self._flush)
 
     def _flush(self) -> None:
         self._scheduled = False
