@@ -7,10 +7,11 @@ onto the same workers (docs/benchmarks.md, "Routing at fleet scale"). Periodic l
 reports come too late for a burst, and even exact loads leave each replica's prefill
 queue and speculative index blind to the others' choices. So each replica announces:
 
-- each choice: the worker and the prompt (its block hashes, tokens, and the tokens the
-  choice predicted cached), which a peer records as its own policy would have
+- each choice: the worker and what the policy records of the prompt (kv_aware: its
+  block hashes, tokens, and the tokens the choice predicted cached; cache_aware: its
+  text), which a peer records as its own policy would have
   (``Policy.observe_peer_choice``: kv_aware queues the prefill and speculates the
-  blocks there);
+  blocks there, cache_aware inserts the text in its tree);
 - each undo of a choice (the attempt ended before its first token), which a peer takes
   back as the origin did;
 - its guards' load on each worker whose load changed: absolute values (in-flight
@@ -21,8 +22,13 @@ queue and speculative index blind to the others' choices. So each replica announ
 A replica's view of a worker is then its own guards plus every peer's last announced
 load (:meth:`PeerView.load`): one router's guards, late by the announcement delay.
 
+What it cannot do: requests that reach different replicas within one announcement delay
+of each other are decided blind to each other, and deterministic replicas in the same
+state then choose alike (docs/benchmarks.md, "Router replicas announcing their routing").
+
 Pure and I/O-free: the simulator delivers announcements after a modelled delay, the
-router over HTTP (:mod:`kvserve.router.peers`); both call :meth:`PeerView.apply`.
+router over a WebSocket per peer (:mod:`kvserve.router.peers`); both call
+:meth:`PeerView.apply`.
 """
 
 from __future__ import annotations
