@@ -23,9 +23,7 @@ def link(**timing: float) -> tuple[PeerLink, list[ChoiceNote]]:
     def record(note: ChoiceNote, _now: float) -> None:
         recorded.append(note)
 
-    made = PeerLink(
-        (), lambda _: PeerView(record), {}, worker_url=URLS.get, worker_id=IDS.get, **timing
-    )
+    made = PeerLink((), PeerView(record), {}, worker_url=URLS.get, worker_id=IDS.get, **timing)
     return made, recorded
 
 

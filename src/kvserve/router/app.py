@@ -69,7 +69,7 @@ class Router:
         if config.peer_urls:
             self.peers = PeerLink(
                 config.peer_urls,
-                lambda _: PeerView(self.policy.observe_peer_choice, self._peer_load_changed),
+                PeerView(self.policy.observe_peer_choice, self._peer_load_changed),
                 self._peer_headers(),
                 worker_url=lambda worker_id: getattr(self.registry.get(worker_id), "url", None),
                 worker_id=self.registry.id_of,
@@ -239,23 +239,13 @@ class Router:
     async def list_peers(self, _request: web.Request) -> web.Response:
         """This replica's peers and what it heard from them (404 without --peers)."""
         if self.peers is None:
-            return openai_error(
-                404,
-                "this router has no --peers",
-                error_type="invalid_request_error",
-                code="no_peers",
-            )
+            return _no_peers()
         return _json(self.peers.describe())
 
     async def peer_announcements(self, request: web.Request) -> web.Response:
         """A peer replica's announcements (router/peers.py), applied before answering."""
         if self.peers is None:
-            return openai_error(
-                404,
-                "this router has no --peers",
-                error_type="invalid_request_error",
-                code="no_peers",
-            )
+            return _no_peers()
         try:
             applied = self.peers.receive(await request.read())
         except ValueError as error:
@@ -269,12 +259,7 @@ class Router:
         applied as it comes; a malformed one closes the stream (the peer reconnects and
         starts over with a full announcement)."""
         if self.peers is None:
-            return openai_error(
-                404,
-                "this router has no --peers",
-                error_type="invalid_request_error",
-                code="no_peers",
-            )
+            return _no_peers()
         stream = web.WebSocketResponse(max_msg_size=self.config.max_request_bytes)
         await stream.prepare(request)
         async for message in stream:
@@ -359,6 +344,12 @@ class Router:
                 self.metrics.kv_index_blocks.remove(worker.worker_id, tier)
         log.info("removed worker %s at %s", worker.worker_id, worker.url)
         return _json(worker.describe())
+
+
+def _no_peers() -> web.Response:
+    return openai_error(
+        404, "this router has no --peers", error_type="invalid_request_error", code="no_peers"
+    )
 
 
 def _fast_event_loop() -> asyncio.AbstractEventLoop | None:

@@ -63,7 +63,7 @@ class PeerLink:
     def __init__(
         self,
         peer_urls: tuple[str, ...],
-        view: Callable[[Announcer], PeerView],
+        view: PeerView,
         headers: dict[str, str],
         worker_url: Callable[[str], str | None],
         worker_id: Callable[[str], str | None],
@@ -74,7 +74,7 @@ class PeerLink:
     ) -> None:
         # A new origin per process: a restarted replica's old load expires with it.
         self.announcer = Announcer(uuid.uuid4().hex[:12], on_note=self._schedule)
-        self.view = view(self.announcer)
+        self.view = view
         self._peers = [_Peer(url.rstrip("/")) for url in peer_urls]
         self._headers = headers
         self._worker_url = worker_url  # this router's worker id -> URL (None: gone)
