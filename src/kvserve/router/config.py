@@ -75,6 +75,7 @@ class RouterConfig:
     client_limits: ClientLimits = field(default_factory=ClientLimits)  # slow or greedy clients
     chars_per_token: float = 4.0  # prefill estimate without a tokenizer
     seed: int | None = None  # for the random policies; None: seeded from the OS
+    processes: int = 1  # router processes on the port (router/process_group.py)
 
     def __post_init__(self) -> None:
         if self.policy not in POLICY_NAMES:
@@ -91,6 +92,22 @@ class RouterConfig:
         self.kv_event_sources()  # raises ValueError on a malformed one
         if self.kv_block_size is not None and self.kv_block_size <= 0:
             raise ValueError("--kv-block-size must be positive")
+        self._check_processes()
+
+    def _check_processes(self) -> None:
+        """What ``--processes N`` shares exactly across processes is load and cache_aware's
+        tree; kv_aware's speculative blocks and prefill queue and PD mode's pair state are
+        not shared yet, so those run in one process."""
+        if self.processes < 1:
+            raise ValueError("--processes must be at least 1")
+        if self.processes == 1:
+            return
+        if self.policy == "kv_aware":
+            raise ValueError("--processes > 1 does not support --policy kv_aware yet")
+        if self.pd_mode:
+            raise ValueError("--processes > 1 does not support PD mode (--prefill/--decode) yet")
+        if self.port == 0:
+            raise ValueError("--processes > 1 needs a fixed --port (each process binds it)")
 
     def kv_event_sources(self) -> tuple[KVEventSource, ...]:
         """Each worker URL's event source, by position."""
