@@ -18,6 +18,7 @@ import psutil
 import pytest
 
 from kvserve.router.config import RouterConfig
+from kvserve.router.local_fleet import KVSERVE_COMMAND
 from tests.support.ports import free_port
 from tests.support.processes import ServerProcess, start_router
 
@@ -133,6 +134,21 @@ def test_a_dead_process_stops_the_group(foreign_fleet: list[ServerProcess]) -> N
         assert "exited with -9: stopping the others" in process.log_tail()
     finally:
         process.stop()
+
+
+def test_a_port_another_router_serves_is_refused(
+    router: ServerProcess, foreign_fleet: list[ServerProcess]
+) -> None:
+    """SO_REUSEPORT would let a second router share the first one's port unnoticed."""
+    port = router.url.rsplit(":", 1)[1]
+    args = [*KVSERVE_COMMAND, "router", "--port", port, "--processes", "2"]
+    second = ServerProcess([*args, "--worker-urls", foreign_fleet[0].url], router.url)
+    try:
+        assert second.process.wait(60) != 0
+        assert f"cannot serve on 127.0.0.1:{port}" in second.log_tail()
+    finally:
+        second.stop()
+    assert httpx.get(router.url + "/health", timeout=10).status_code == 200
 
 
 @pytest.mark.parametrize(

@@ -340,6 +340,10 @@ def run_router(config: RouterConfig) -> None:
 
 
 def _serve(config: RouterConfig, member: ProcessMember | None) -> None:
+    if member is not None:  # whose line it is, in the group's one log
+        prefix = f"%(asctime)s %(levelname)s [router {member.index}] %(message)s"
+        for handler in logging.getLogger().handlers:
+            handler.setFormatter(logging.Formatter(prefix))
     _collect_garbage_less_often()
     loop = _fast_event_loop() or asyncio.new_event_loop()
     asyncio.set_event_loop(loop)

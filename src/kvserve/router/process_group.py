@@ -51,6 +51,7 @@ def run_process_group(config: RouterConfig, serve: Callable[[ProcessMember], Non
     """Fork ``config.processes`` children running ``serve`` and supervise them; returns
     the exit status for the whole router (0 after a requested stop)."""
     count = config.processes
+    _check_port_free(config.host, config.port)
     table = SharedLoadTable(count, len(config.worker_urls))
     pairs = {(a, b): socket.socketpair() for a in range(count) for b in range(a + 1, count)}
     children: dict[int, int] = {}
@@ -64,6 +65,19 @@ def run_process_group(config: RouterConfig, serve: Callable[[ProcessMember], Non
         for sock in pair:
             sock.close()
     return _supervise(children)
+
+
+def _check_port_free(host: str, port: int) -> None:
+    """Refuse a port someone already serves. The children bind it with ``SO_REUSEPORT``,
+    which would let them silently share it with another router that did too; a bind
+    without that option fails instead. (Released before the children bind.)"""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind((host, port))
+        except OSError as error:
+            raise OSError(f"cannot serve on {host}:{port}: {error.strerror}") from error
 
 
 def _run_child(
