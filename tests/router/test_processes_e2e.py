@@ -154,7 +154,6 @@ def test_a_port_another_router_serves_is_refused(
 @pytest.mark.parametrize(
     ("options", "message"),
     [
-        ({"policy": "kv_aware"}, "kv_aware"),
         ({"decode_urls": ("http://d:1",)}, "PD mode"),
         ({"port": 0}, "fixed --port"),
     ],

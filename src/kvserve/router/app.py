@@ -35,7 +35,7 @@ from kvserve.router.process_group import ProcessMember, run_process_group
 from kvserve.router.prompt_preparer import PromptPreparer
 from kvserve.router.proxy import ROUTER_PROCESS_HEADER, Proxy
 from kvserve.router.shared_loads import SharedLoadTracker
-from kvserve.router.sibling_links import TreeReplication
+from kvserve.router.sibling_links import KvReplication, TreeReplication
 from kvserve.router.worker_registry import Worker, WorkerRegistry
 
 log = logging.getLogger(__name__)
@@ -60,6 +60,7 @@ class Router:
         for pool, urls in (("prefill", config.prefill_urls), ("decode", config.decode_urls)):
             for url in urls:
                 self.registry.add(url, pool)
+        self._kv_replication: KvReplication | None = None
         self.tracker: LoadTracker
         if member is None:
             self.tracker = LoadTracker(on_change=self._load_changed)
@@ -70,11 +71,13 @@ class Router:
             )
         self.metrics.show_loads(self._loads_to_show)
         self.policy = config.make_policy(time.monotonic())
-        self._replication = (
-            TreeReplication(self.policy, member.links)
-            if member is not None and isinstance(self.policy, CacheAwarePolicy)
-            else None
-        )
+        self._replication: TreeReplication | KvReplication | None = None
+        if member is not None and isinstance(self.policy, CacheAwarePolicy):
+            self._replication = TreeReplication(self.policy, member.links)
+        elif member is not None and isinstance(self.policy, KvAwarePolicy):
+            routing = self.policy.routing
+            self._replication = KvReplication(routing, member.links, self.tracker.load)
+            self._kv_replication = self._replication
         self._process_headers = {} if member is None else {ROUTER_PROCESS_HEADER: str(member.index)}
         self.preparer = (
             PromptPreparer(config.tokenizer) if self.policy.reads_prompt_blocks else None
@@ -134,8 +137,11 @@ class Router:
         return [self.tracker.load(worker_id) for worker_id in ids]
 
     def _load_changed(self, load: WorkerLoad) -> None:
-        """Guards changed: the policy reorders its workers (the gauges read the tracker)."""
+        """Guards changed: the policy reorders its workers (the gauges read the tracker),
+        and so do the siblings' kv_aware policies."""
         self.policy.observe_load(load)
+        if self._kv_replication is not None:
+            self._kv_replication.load_changed(load.worker_id)
 
     def build_app(self) -> web.Application:
         app = web.Application(

@@ -95,15 +95,13 @@ class RouterConfig:
         self._check_processes()
 
     def _check_processes(self) -> None:
-        """What ``--processes N`` shares exactly across processes is load and cache_aware's
-        tree; kv_aware's speculative blocks and prefill queue and PD mode's pair state are
-        not shared yet, so those run in one process."""
+        """``--processes N`` shares load, cache_aware's tree and kv_aware's predictions
+        across processes; PD mode's pair state (decode headroom) is not shared yet, so it
+        runs in one process."""
         if self.processes < 1:
             raise ValueError("--processes must be at least 1")
         if self.processes == 1:
             return
-        if self.policy == "kv_aware":
-            raise ValueError("--processes > 1 does not support --policy kv_aware yet")
         if self.pd_mode:
             raise ValueError("--processes > 1 does not support PD mode (--prefill/--decode) yet")
         if self.port == 0:

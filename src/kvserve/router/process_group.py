@@ -6,7 +6,8 @@ serve it as the single-process router does, sharing what routing must agree on:
 
 - load: a :class:`~kvserve.router.shared_loads.SharedLoadTable` in shared memory, so
   every process's guards and policy read the fleet's total in-flight load;
-- cache_aware's prefix tree: each decision's record goes to every sibling over
+- the policy's predictions (cache_aware's prefix tree; kv_aware's queued prefills,
+  expected blocks and load order): each decision's records go to every sibling over
   :class:`~kvserve.router.sibling_links.SiblingLinks`.
 
 The parent serves nothing. It stops every child on SIGTERM or SIGINT, and when a child

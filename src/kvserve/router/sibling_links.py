@@ -6,7 +6,10 @@ sends that record (and its take-back, should the attempt fail before its first t
 every sibling, which applies it to its own tree on its event loop. So a prompt routed by
 process A is matched by process B from the moment B's loop reads the record: on a
 loopback socket, well under a millisecond later, before any client could send the next
-turn of the conversation.
+turn of the conversation. kv_aware's own predictions (the prefill it queues on a worker,
+the blocks it expects there, their take-backs) travel the same way, and so does each
+change of a process's guards, which the siblings' load orders re-read from the shared
+table (the workers' KV events each process follows itself).
 
 The parent makes one ``socketpair`` per pair of processes before forking, so the links
 need no addresses and no connecting; records are length-prefixed JSON arrays, batched
@@ -24,7 +27,9 @@ from typing import Any
 
 import orjson
 
+from kvserve.core.routing.kv_aware import KvAwareRouting
 from kvserve.core.routing.policies.cache_aware import CacheAwarePolicy
+from kvserve.core.routing.types import WorkerLoad
 
 log = logging.getLogger(__name__)
 
@@ -119,3 +124,50 @@ class TreeReplication:
             self._policy.apply_insert(pool, model, text, worker_id, value)
         else:
             self._policy.apply_untag(pool, model, text, worker_id, value)
+
+
+class KvReplication:
+    """Copies a kv_aware routing's predictions and this process's guard changes to the
+    siblings, and applies theirs."""
+
+    def __init__(
+        self,
+        routing: KvAwareRouting,
+        links: SiblingLinks,
+        fleet_load: Callable[[str], WorkerLoad],
+    ) -> None:
+        self._routing = routing
+        self._links = links
+        self._fleet_load = fleet_load  # a worker's load summed over every process
+        routing.replica = self
+
+    def queued(self, worker_id: str, seconds: float, now: float) -> None:
+        self._links.send(["q", worker_id, seconds, now])
+
+    def unqueued(self, worker_id: str, seconds: float, ends_at: float, now: float) -> None:
+        self._links.send(["Q", worker_id, seconds, ends_at, now])
+
+    def speculated(self, worker_id: str, block_hashes: Sequence[int], deadline: float) -> None:
+        self._links.send(["s", worker_id, list(block_hashes), deadline])
+
+    def withdrawn(self, worker_id: str, block_hashes: Sequence[int], deadline: float) -> None:
+        self._links.send(["w", worker_id, list(block_hashes), deadline])
+
+    def load_changed(self, worker_id: str) -> None:
+        """This process's guards on ``worker_id`` changed (the table has the new total)."""
+        self._links.send(["l", worker_id])
+
+    def apply(self, record: Record) -> None:
+        """A sibling's record, applied to this process's routing."""
+        kind, worker_id, *rest = record
+        routing = self._routing
+        if kind == "l":
+            routing.loads.update(self._fleet_load(worker_id))
+        elif kind == "q":
+            routing.apply_queued(worker_id, *rest)
+        elif kind == "Q":
+            routing.apply_unqueued(worker_id, *rest)
+        elif kind == "s":
+            routing.index.speculate(worker_id, rest[0], rest[1])
+        else:
+            routing.index.withdraw(worker_id, rest[0], rest[1])
