@@ -99,8 +99,9 @@ class _RecordReader(asyncio.Protocol):
         del buffer[:start]
 
     def connection_lost(self, exc: Exception | None) -> None:
-        # A sibling gone: the parent sees its death too and stops the group.
-        log.warning("a sibling router process closed its link (%s)", exc or "closed")
+        # A sibling gone (or the group stopping): the parent sees a death and stops all.
+        if exc is not None:
+            log.warning("the link to a sibling router process broke: %s", exc)
 
 
 class TreeReplication:
