@@ -154,10 +154,9 @@ def test_a_port_another_router_serves_is_refused(
 @pytest.mark.parametrize(
     ("options", "message"),
     [
-        ({"decode_urls": ("http://d:1",)}, "PD mode"),
         ({"port": 0}, "fixed --port"),
     ],
 )
-def test_what_several_processes_do_not_share_is_refused(options: dict, message: str) -> None:  # type: ignore[type-arg]
+def test_a_port_each_process_cannot_bind_is_refused(options: dict, message: str) -> None:  # type: ignore[type-arg]
     with pytest.raises(ValueError, match=message):
         RouterConfig(worker_urls=("http://w:1",), processes=2, **options)

@@ -126,7 +126,7 @@ def register(app: typer.Typer) -> None:
             int,
             typer.Option(
                 help="Router processes serving the port (SO_REUSEPORT), sharing load and "
-                "the policy's predictions: one per core to use. Not in PD mode.",
+                "the policy's predictions: one per core to use (fixed worker set).",
             ),
         ] = 1,
         kv_block_size: Annotated[

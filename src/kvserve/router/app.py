@@ -100,11 +100,9 @@ class Router:
         async with aiohttp.ClientSession(connector=connector, headers=headers) as session:
             self._session = session
             proxy_args = (self.config, self.registry, self.tracker, self.policy, self.metrics)
-            if self.config.pd_mode:
-                self._proxy = PDProxy(*proxy_args, session, preparer=self.preparer)
-            else:
-                process = None if self.member is None else self.member.index
-                self._proxy = Proxy(*proxy_args, session, preparer=self.preparer, process=process)
+            process = None if self.member is None else self.member.index
+            proxy_type = PDProxy if self.config.pd_mode else Proxy
+            self._proxy = proxy_type(*proxy_args, session, preparer=self.preparer, process=process)
             self._health = HealthChecker(self.registry, self.config.health, self.metrics, session)
             await self._health.probe_all()
             self._sampler = FleetSampler(self.registry, self.metrics, session)

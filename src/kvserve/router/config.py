@@ -95,16 +95,10 @@ class RouterConfig:
         self._check_processes()
 
     def _check_processes(self) -> None:
-        """``--processes N`` shares load, cache_aware's tree and kv_aware's predictions
-        across processes; PD mode's pair state (decode headroom) is not shared yet, so it
-        runs in one process."""
+        """``--processes N`` needs a port every process can bind."""
         if self.processes < 1:
             raise ValueError("--processes must be at least 1")
-        if self.processes == 1:
-            return
-        if self.pd_mode:
-            raise ValueError("--processes > 1 does not support PD mode (--prefill/--decode) yet")
-        if self.port == 0:
+        if self.processes > 1 and self.port == 0:
             raise ValueError("--processes > 1 needs a fixed --port (each process binds it)")
 
     def kv_event_sources(self) -> tuple[KVEventSource, ...]:

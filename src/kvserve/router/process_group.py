@@ -53,7 +53,8 @@ def run_process_group(config: RouterConfig, serve: Callable[[ProcessMember], Non
     the exit status for the whole router (0 after a requested stop)."""
     count = config.processes
     _check_port_free(config.host, config.port)
-    table = SharedLoadTable(count, len(config.worker_urls))
+    fleet = (*config.worker_urls, *config.prefill_urls, *config.decode_urls)
+    table = SharedLoadTable(count, len(fleet))  # one slot per worker, as registered
     pairs = {(a, b): socket.socketpair() for a in range(count) for b in range(a + 1, count)}
     children: dict[int, int] = {}
     parent = os.getpid()
