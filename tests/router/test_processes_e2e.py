@@ -51,7 +51,7 @@ def test_guards_of_both_processes_are_summed_exactly(router: ServerProcess) -> N
     """Requests held by both processes at once: every process's /workers shows the total
     (and each process's share), then exactly zero once they end."""
     count = 16
-    body = {"prompt": HELD_PROMPT, "x_test": {"delay": 4.0}}
+    body = {"prompt": HELD_PROMPT, "x_test": {"delay": 8.0}}  # long enough to overlap all
 
     def send(_: int) -> str:
         response = httpx.post(router.url + "/v1/completions", json=body, timeout=60)
