@@ -131,6 +131,13 @@ def register(app: typer.Typer) -> None:
             float, typer.Option(help="Seconds per attempt, streaming included.")
         ] = 1800.0,
         max_request_bytes: int = 32 * 1024 * 1024,
+        processes: Annotated[
+            int,
+            typer.Option(
+                help="Router processes serving the port (SO_REUSEPORT), sharing load and "
+                "the policy's predictions: one per core to use (fixed worker set).",
+            ),
+        ] = 1,
         kv_block_size: Annotated[
             int | None,
             _tuning("kv_aware over ZMQ event sources: block size (default: from the events)."),
@@ -226,6 +233,7 @@ def register(app: typer.Typer) -> None:
                 ),
                 request_timeout_s=request_timeout,
                 max_request_bytes=max_request_bytes,
+                processes=processes,
                 client_limits=ClientLimits(
                     header_timeout, body_timeout, max_header_bytes, max_connections
                 ),

@@ -17,6 +17,7 @@ from aiohttp import web
 from kvserve.core.routing.announcements import PeerView
 from kvserve.core.routing.announcing_policy import AnnouncingPolicy
 from kvserve.core.routing.kv_index import TIERS
+from kvserve.core.routing.policies.cache_aware import CacheAwarePolicy
 from kvserve.core.routing.policies.kv_aware import KvAwarePolicy
 from kvserve.core.routing.policy import Policy
 from kvserve.core.routing.types import WorkerLoad
@@ -34,8 +35,11 @@ from kvserve.router.load_guard import LoadTracker
 from kvserve.router.metrics import RouterMetrics
 from kvserve.router.pd_proxy import PDProxy
 from kvserve.router.peers import ANNOUNCEMENTS_PATH, STREAM_PATH, PeerLink
+from kvserve.router.process_group import ProcessMember, run_process_group
 from kvserve.router.prompt_preparer import PromptPreparer
-from kvserve.router.proxy import Proxy
+from kvserve.router.proxy import ROUTER_PROCESS_HEADER, Proxy
+from kvserve.router.shared_loads import SharedLoadTracker
+from kvserve.router.sibling_links import KvReplication, TreeReplication
 from kvserve.router.worker_registry import Worker, WorkerRegistry
 
 log = logging.getLogger(__name__)
@@ -50,18 +54,27 @@ def _json(payload: object, status: int = 200) -> web.Response:
 class Router:
     """Everything one router process holds; handlers are its methods."""
 
-    def __init__(self, config: RouterConfig) -> None:
+    def __init__(self, config: RouterConfig, member: ProcessMember | None = None) -> None:
         self.config = config
+        self.member = member  # None: the only process
         self.metrics = RouterMetrics()
         self._admin_key = config.admin_api_key or config.api_key
-        self.tracker = LoadTracker(on_change=self._load_changed)
         self.registry = WorkerRegistry(config.circuit_breaker)
-        self.metrics.show_loads(self._loads_to_show)
         for url, source in zip(config.worker_urls, config.kv_event_sources(), strict=True):
             self.registry.add(url, kv_events=source)
         for pool, urls in (("prefill", config.prefill_urls), ("decode", config.decode_urls)):
             for url in urls:
                 self.registry.add(url, pool)
+        self._kv_replication: KvReplication | None = None
+        self.tracker: LoadTracker
+        if member is None:
+            self.tracker = LoadTracker(on_change=self._load_changed)
+        else:  # the fleet is fixed: worker i keeps slot i of the shared table
+            slots = {w.worker_id: i for i, w in enumerate(self.registry.all())}
+            self.tracker = SharedLoadTracker(
+                member.table, member.index, slots, on_change=self._load_changed
+            )
+        self.metrics.show_loads(self._loads_to_show)
         self.policy = config.make_policy(time.monotonic())
         # With peers, the proxy's policy announces each choice; the rest reads self.policy.
         self.peers: PeerLink | None = None
@@ -76,6 +89,14 @@ class Router:
             )
             self.tracker.peer_load = self.peers.view.load
             self._routing_policy = AnnouncingPolicy(self.policy, self.peers.announcer)
+        self._replication: TreeReplication | KvReplication | None = None
+        if member is not None and isinstance(self.policy, CacheAwarePolicy):
+            self._replication = TreeReplication(self.policy, member.links)
+        elif member is not None and isinstance(self.policy, KvAwarePolicy):
+            routing = self.policy.routing
+            self._replication = KvReplication(routing, member.links, self.tracker.load)
+            self._kv_replication = self._replication
+        self._process_headers = {} if member is None else {ROUTER_PROCESS_HEADER: str(member.index)}
         self.preparer = (
             PromptPreparer(config.tokenizer) if self.policy.reads_prompt_blocks else None
         )
@@ -91,6 +112,8 @@ class Router:
         # The fleet's key goes on every request to a worker: proxied, health, load, KV
         # events, the dashboard's /metrics scrape.
         headers = self.config.worker_headers()
+        if self._replication is not None and self.member is not None:
+            await self.member.links.start(self._replication.apply)
         async with aiohttp.ClientSession(connector=connector, headers=headers) as session:
             self._session = session
             proxy_args = (
@@ -100,10 +123,9 @@ class Router:
                 self._routing_policy,
                 self.metrics,
             )
-            if self.config.pd_mode:
-                self._proxy = PDProxy(*proxy_args, session, preparer=self.preparer)
-            else:
-                self._proxy = Proxy(*proxy_args, session, preparer=self.preparer)
+            process = None if self.member is None else self.member.index
+            proxy_type = PDProxy if self.config.pd_mode else Proxy
+            self._proxy = proxy_type(*proxy_args, session, preparer=self.preparer, process=process)
             self._health = HealthChecker(self.registry, self.config.health, self.metrics, session)
             await self._health.probe_all()
             self._sampler = FleetSampler(self.registry, self.metrics, session)
@@ -124,6 +146,8 @@ class Router:
                 tasks.append(asyncio.create_task(self._proxy.poll_decode_loads_forever()))
             yield
             self._proxy.upstream.close()
+            if self.member is not None:
+                self.member.links.close()
             for task in tasks:
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
@@ -137,7 +161,9 @@ class Router:
 
     def _load_changed(self, load: WorkerLoad) -> None:
         """Guards changed: the policy reorders its workers (the gauges read the tracker),
-        and the peers are told."""
+        and so do the siblings' kv_aware policies and the peers."""
+        if self._kv_replication is not None:
+            self._kv_replication.load_changed(load.worker_id)
         if self.peers is None:
             self.policy.observe_load(load)
             return
@@ -228,7 +254,9 @@ class Router:
                 for tier in TIERS:
                     blocks = index.num_blocks(worker.worker_id, tier)
                     self.metrics.kv_index_blocks.labels(worker.worker_id, tier).set(blocks)
-        return web.Response(body=self.metrics.render(), content_type="text/plain")
+        return web.Response(
+            body=self.metrics.render(), content_type="text/plain", headers=self._process_headers
+        )
 
     def dashboard_data(self) -> dict[str, object]:
         assert self._sampler is not None
@@ -284,6 +312,8 @@ class Router:
             peer_requests, peer_tokens = self.peers.view.load(worker.worker_id)
             described["peers_in_flight_requests"] = peer_requests
             described["peers_in_flight_prefill_tokens"] = peer_tokens
+        if isinstance(self.tracker, SharedLoadTracker):  # whose requests the total sums
+            described["in_flight_requests_by_process"] = self.tracker.by_process(worker.worker_id)
         follower = self.subscriber.zmq_followers.get(worker.worker_id) if self.subscriber else None
         if follower is not None:  # how its ZMQ stream has gone: gaps, replays, index drops
             described["kv_events_stream"] = {
@@ -298,8 +328,23 @@ class Router:
     async def list_workers(self, _request: web.Request) -> web.Response:
         return _json({"workers": [self._describe(w) for w in self.registry.all()]})
 
+    def _fixed_fleet(self) -> web.Response | None:
+        """With several processes the worker set is fixed: each process would need the same
+        change at once, under the same worker id and shared-load slot."""
+        if self.member is None:
+            return None
+        return openai_error(
+            409,
+            f"the router runs {self.member.count} processes (--processes), whose worker set is"
+            " fixed: restart it with the new --worker-urls, or run it with --processes 1",
+            error_type="invalid_request_error",
+            code="fixed_fleet",
+        )
+
     async def add_worker(self, request: web.Request) -> web.Response:
         """Register a worker and check it once, so the answer says whether it takes traffic."""
+        if (refusal := self._fixed_fleet()) is not None:
+            return refusal
         try:
             body = orjson.loads(await request.read())
             url, pool = str(body["url"]), str(body.get("pool", "regular"))
@@ -326,6 +371,8 @@ class Router:
 
     async def remove_worker(self, request: web.Request) -> web.Response:
         """Stop routing to a worker; its in-flight requests finish and release their load."""
+        if (refusal := self._fixed_fleet()) is not None:
+            return refusal
         try:
             worker = self.registry.remove(request.match_info["worker_id"])
         except KeyError:
@@ -374,11 +421,28 @@ def _collect_garbage_less_often() -> None:
 
 
 def run_router(config: RouterConfig) -> None:
-    """Serve until interrupted. A client disconnect cancels its handler, which releases
-    everything the request holds (see :mod:`kvserve.router.proxy`)."""
+    """Serve until interrupted: in this process, or in ``config.processes`` children (see
+    :mod:`kvserve.router.process_group`). A client disconnect cancels its handler, which
+    releases everything the request holds (see :mod:`kvserve.router.proxy`)."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    if config.processes == 1:
+        _serve(config, None)
+        return
+    status = run_process_group(config, lambda member: _serve(config, member))
+    if status:
+        raise SystemExit(status)
+
+
+def _serve(config: RouterConfig, member: ProcessMember | None) -> None:
+    if member is not None:  # whose line it is, in the group's one log
+        prefix = f"%(asctime)s %(levelname)s [router {member.index}] %(message)s"
+        for handler in logging.getLogger().handlers:
+            handler.setFormatter(logging.Formatter(prefix))
     _collect_garbage_less_often()
     loop = _fast_event_loop() or asyncio.new_event_loop()
     asyncio.set_event_loop(loop)
-    app = Router(config).build_app()
-    loop.run_until_complete(serve(app, config.host, config.port, config.client_limits))
+    app = Router(config, member).build_app()
+    reuse_port = member is not None
+    loop.run_until_complete(
+        serve(app, config.host, config.port, config.client_limits, reuse_port=reuse_port)
+    )
