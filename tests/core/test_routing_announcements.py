@@ -19,6 +19,7 @@ from kvserve.core.routing.announcements import (
 from kvserve.core.routing.announcing_policy import AnnouncingPolicy
 from kvserve.core.routing.cache_aware import CacheAwareConfig
 from kvserve.core.routing.kv_aware import KvAwareConfig
+from kvserve.core.routing.pd_pair import PDConfig
 from kvserve.core.routing.policies.cache_aware import CacheAwarePolicy
 from kvserve.core.routing.policies.kv_aware import KvAwarePolicy
 from kvserve.core.routing.types import PromptBlocks, RouteQuery, RoutingDecision, WorkerLoad
@@ -45,6 +46,47 @@ def test_an_announcement_survives_its_wire_form() -> None:
     assert announcer.take().is_empty()
     full = announcer.take(full=True)  # every held load, changed or not
     assert full.full and full.loads == (LoadNote("w1", 2, 24),)
+
+
+def test_choices_carry_their_time_only_to_receivers_on_the_same_clock() -> None:
+    """A router's processes share a clock: a sibling records a choice as of the origin's
+    time (its speculative deadline, its prefill's end in the queue); a peer on another
+    host records it when it arrives."""
+    stamped, plain = Announcer("a", stamp_times=True), Announcer("b")
+    for announcer in (stamped, plain):
+        announcer.choice("w1", [5], 40, 0, pool="decode", computes=False, at=2.5)
+    sibling, peer = stamped.take(), plain.take()
+    assert Announcement.from_json(sibling.to_json()) == sibling
+    assert sibling.choices[0].at == 2.5 and not sibling.choices[0].computes
+    assert peer.choices[0].at is None
+    recorded: list[float] = []
+
+    def record(_note: ChoiceNote, at: float) -> None:
+        recorded.append(at)
+
+    view = PeerView(record)
+    view.apply(sibling, 3.0)
+    view.apply(peer, 3.0)
+    assert recorded == [2.5, 3.0]
+
+
+def test_a_kv_aware_pair_is_announced_as_prefill_and_blocks_only_decode() -> None:
+    origin, peer = KvAwarePolicy(CONFIG), KvAwarePolicy(CONFIG)
+    announcer = Announcer("a")
+    routing = AnnouncingPolicy(origin, announcer)
+    hashes = list(range(1, 41))
+    pair = routing.select_pair(
+        query(hashes), [WorkerLoad("d0")], [WorkerLoad("p0")], 1.0, PDConfig()
+    )
+    assert pair.prefill_worker_id == "p0"
+    sent = announcer.take()
+    assert [(c.worker_id, c.computes) for c in sent.choices] == [("p0", True), ("d0", False)]
+    PeerView(peer.observe_peer_choice).apply(Announcement.from_json(sent.to_json()), 1.0)
+    assert peer.routing.queue.queued_s("d0", 1.0) == 0.0
+    assert peer.routing.queue.queued_s("p0", 1.0) == pytest.approx(
+        origin.routing.queue.queued_s("p0", 1.0)
+    )
+    assert peer.routing.index.num_speculative("d0") == len(hashes)
 
 
 def test_workers_are_renamed_and_unknown_ones_left_out() -> None:

@@ -17,7 +17,6 @@ from aiohttp import web
 from kvserve.core.routing.announcements import PeerView
 from kvserve.core.routing.announcing_policy import AnnouncingPolicy
 from kvserve.core.routing.kv_index import TIERS
-from kvserve.core.routing.policies.cache_aware import CacheAwarePolicy
 from kvserve.core.routing.policies.kv_aware import KvAwarePolicy
 from kvserve.core.routing.policy import Policy
 from kvserve.core.routing.types import WorkerLoad
@@ -39,7 +38,7 @@ from kvserve.router.process_group import ProcessMember, run_process_group
 from kvserve.router.prompt_preparer import PromptPreparer
 from kvserve.router.proxy import ROUTER_PROCESS_HEADER, Proxy
 from kvserve.router.shared_loads import SharedLoadTracker
-from kvserve.router.sibling_links import KvReplication, TreeReplication
+from kvserve.router.sibling_links import SiblingAnnouncements
 from kvserve.router.worker_registry import Worker, WorkerRegistry
 
 log = logging.getLogger(__name__)
@@ -65,7 +64,6 @@ class Router:
         for pool, urls in (("prefill", config.prefill_urls), ("decode", config.decode_urls)):
             for url in urls:
                 self.registry.add(url, pool)
-        self._kv_replication: KvReplication | None = None
         self.tracker: LoadTracker
         if member is None:
             self.tracker = LoadTracker(on_change=self._load_changed)
@@ -76,8 +74,10 @@ class Router:
             )
         self.metrics.show_loads(self._loads_to_show)
         self.policy = config.make_policy(time.monotonic())
-        # With peers, the proxy's policy announces each choice; the rest reads self.policy.
+        # With peers or sibling processes (replicas on this port), the proxy's policy
+        # announces each choice; the rest reads self.policy. (Not both: config refuses.)
         self.peers: PeerLink | None = None
+        self.siblings: SiblingAnnouncements | None = None
         self._routing_policy: Policy = self.policy
         if config.peer_urls:
             self.peers = PeerLink(
@@ -89,13 +89,18 @@ class Router:
             )
             self.tracker.peer_load = self.peers.view.load
             self._routing_policy = AnnouncingPolicy(self.policy, self.peers.announcer)
-        self._replication: TreeReplication | KvReplication | None = None
-        if member is not None and isinstance(self.policy, CacheAwarePolicy):
-            self._replication = TreeReplication(self.policy, member.links)
-        elif member is not None and isinstance(self.policy, KvAwarePolicy):
-            routing = self.policy.routing
-            self._replication = KvReplication(routing, member.links, self.tracker.load)
-            self._kv_replication = self._replication
+        if member is not None and member.count > 1:
+            # No announced load is added: the shared table sums the siblings' guards.
+            self.siblings = SiblingAnnouncements(
+                member.links,
+                member.index,
+                PeerView(self.policy.observe_peer_choice, self._sibling_load_changed),
+            )
+            self._routing_policy = AnnouncingPolicy(self.policy, self.siblings.announcer)
+        # Only kv_aware keeps workers ordered by load: the others read the table itself.
+        self._siblings_follow_loads = self.siblings is not None and isinstance(
+            self.policy, KvAwarePolicy
+        )
         self._process_headers = {} if member is None else {ROUTER_PROCESS_HEADER: str(member.index)}
         self.preparer = (
             PromptPreparer(config.tokenizer) if self.policy.reads_prompt_blocks else None
@@ -112,8 +117,8 @@ class Router:
         # The fleet's key goes on every request to a worker: proxied, health, load, KV
         # events, the dashboard's /metrics scrape.
         headers = self.config.worker_headers()
-        if self._replication is not None and self.member is not None:
-            await self.member.links.start(self._replication.apply)
+        if self.siblings is not None:
+            await self.siblings.start()
         async with aiohttp.ClientSession(connector=connector, headers=headers) as session:
             self._session = session
             proxy_args = (
@@ -161,9 +166,13 @@ class Router:
 
     def _load_changed(self, load: WorkerLoad) -> None:
         """Guards changed: the policy reorders its workers (the gauges read the tracker),
-        and so do the siblings' kv_aware policies and the peers."""
-        if self._kv_replication is not None:
-            self._kv_replication.load_changed(load.worker_id)
+        and the peers are told; so are the siblings where their policy orders workers by
+        load (kv_aware), as the notice to re-read the table (``_sibling_load_changed``)."""
+        tracker, siblings = self.tracker, self.siblings
+        follow = self._siblings_follow_loads
+        if follow and siblings is not None and isinstance(tracker, SharedLoadTracker):
+            requests, tokens = tracker.process_load(load.worker_id)
+            siblings.announcer.load(load.worker_id, requests, tokens)
         if self.peers is None:
             self.policy.observe_load(load)
             return
@@ -171,6 +180,11 @@ class Router:
             load.worker_id, load.in_flight_requests, load.in_flight_prefill_tokens
         )
         self.policy.observe_load(self.tracker.load(load.worker_id))
+
+    def _sibling_load_changed(self, worker_id: str) -> None:
+        """A sibling process's guards on ``worker_id`` changed: the policy re-reads the
+        total from the shared table (exact; the sibling's announced values are not used)."""
+        self.policy.observe_load(self.tracker.load(worker_id))
 
     def _peer_load_changed(self, worker_id: str) -> None:
         """A peer's guards changed: the policy sees the sum."""

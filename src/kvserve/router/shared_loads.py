@@ -76,9 +76,19 @@ class SharedLoadTracker(LoadTracker):
     def load(self, worker_id: str) -> WorkerLoad:
         slot = self._slots.get(worker_id)
         if slot is None:
-            return super().load(worker_id)
+            return super().own_load(worker_id)
         requests, tokens = self._table.total(slot)
         return WorkerLoad(worker_id, requests, tokens)
+
+    def own_load(self, worker_id: str) -> WorkerLoad:
+        """The router's own guards: every process's, as one router (its processes are
+        replicas on one port, summed exactly here rather than announced)."""
+        return self.load(worker_id)
+
+    def process_load(self, worker_id: str) -> tuple[int, int]:
+        """(in-flight requests, prefill tokens) this process's own guards hold."""
+        own = super().own_load(worker_id)
+        return own.in_flight_requests, own.in_flight_prefill_tokens
 
     def by_process(self, worker_id: str) -> list[int]:
         """In-flight requests on ``worker_id`` held by each process, by process index."""
@@ -104,7 +114,7 @@ class SharedLoadTracker(LoadTracker):
         super()._adjust(worker_id, requests, prefill_tokens)
         slot = self._slots.get(worker_id)
         if slot is not None:
-            own = super().load(worker_id)
+            own = super().own_load(worker_id)
             self._table.write(
                 self._process, slot, own.in_flight_requests, own.in_flight_prefill_tokens
             )

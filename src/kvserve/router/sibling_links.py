@@ -1,19 +1,25 @@
-"""The stream sockets between a router's processes, and the records sent over them.
+"""The stream sockets between a router's processes, and the announcements sent over them.
 
-With ``--processes N`` every process routes on its own copy of the policy. A cache_aware
-decision records the prompt in the deciding process's prefix tree; :class:`SiblingLinks`
-sends that record (and its take-back, should the attempt fail before its first token) to
-every sibling, which applies it to its own tree on its event loop. So a prompt routed by
-process A is matched by process B from the moment B's loop reads the record: on a
-loopback socket, well under a millisecond later, before any client could send the next
-turn of the conversation. kv_aware's own predictions (the prefill it queues on a worker,
-the blocks it expects there, their take-backs) travel the same way, and so does each
-change of a process's guards, which the siblings' load orders re-read from the shared
-table (the workers' KV events each process follows itself).
+With ``--processes N`` every process routes on its own copy of the policy: the processes
+are router replicas on one port. They tell each other their routing exactly as replicas
+on separate ports do (:mod:`kvserve.core.routing.announcements`): each choice with what
+the policy records of it (cache_aware the prompt's text, kv_aware its blocks and the
+prefill queued), each undo, applied through ``Policy.observe_peer_choice`` and its
+take-back. So a prompt routed by process A is matched by process B from the moment B's
+loop reads the announcement: on a loopback socket, well under a millisecond later,
+before any client could send the next turn of the conversation.
+
+What siblings do not need is announced loads: their guards are summed exactly in the
+shared-memory table (:mod:`kvserve.router.shared_loads`), so the announced values are
+never added to a load. A kv_aware process still announces its own guards per worker, as
+the notice on which its siblings re-read that worker's total from the table into their
+load order (the other policies read loads only from the table, and announce none).
 
 The parent makes one ``socketpair`` per pair of processes before forking, so the links
-need no addresses and no connecting; records are length-prefixed JSON arrays, batched
-per loop iteration (one write per sibling however many requests were routed meanwhile).
+need no addresses and no connecting (nor, unlike peers, renaming: every process
+registers the fixed fleet in the same order, so worker ids agree). Messages are
+length-prefixed JSON announcements, one per loop iteration (however many requests were
+routed meanwhile), written to every sibling.
 """
 
 from __future__ import annotations
@@ -22,53 +28,41 @@ import asyncio
 import logging
 import socket
 import struct
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import orjson
 
-from kvserve.core.routing.kv_aware import KvAwareRouting
-from kvserve.core.routing.policies.cache_aware import CacheAwarePolicy
-from kvserve.core.routing.types import WorkerLoad
+from kvserve.core.routing.announcements import Announcement, Announcer, PeerView
 
 log = logging.getLogger(__name__)
 
 _LENGTH = struct.Struct("!I")
-Record = list[Any]
 
 
 class SiblingLinks:
-    """This process's ends of its links to every sibling process."""
+    """This process's ends of its links to every sibling process: framed messages."""
 
     def __init__(self, sockets: Sequence[socket.socket]) -> None:
         self._sockets = list(sockets)
         self._transports: list[asyncio.Transport] = []
-        self._pending: list[bytes] = []
-        self._flush_scheduled = False
-        self._loop: asyncio.AbstractEventLoop | None = None
 
-    async def start(self, on_record: Callable[[Record], None]) -> None:
-        """Start reading every sibling's records (each handed to ``on_record``)."""
-        self._loop = asyncio.get_running_loop()
+    async def start(self, on_message: Callable[[Any], None]) -> None:
+        """Start reading every sibling's messages (each decoded and handed to
+        ``on_message``)."""
+        loop = asyncio.get_running_loop()
         for sock in self._sockets:
             sock.setblocking(False)
-            transport, _ = await self._loop.create_unix_connection(
-                lambda: _RecordReader(on_record), sock=sock
+            transport, _ = await loop.create_unix_connection(
+                lambda: _MessageReader(on_message), sock=sock
             )
             self._transports.append(transport)
 
-    def send(self, record: Record) -> None:
-        """Queue ``record`` for every sibling; written once this loop iteration ends."""
-        payload = orjson.dumps(record)
-        self._pending.append(_LENGTH.pack(len(payload)) + payload)
-        if not self._flush_scheduled and self._loop is not None:
-            self._flush_scheduled = True
-            self._loop.call_soon(self._flush)
-
-    def _flush(self) -> None:
-        self._flush_scheduled = False
-        data = b"".join(self._pending)
-        self._pending.clear()
+    def send(self, message: object) -> None:
+        """Write ``message`` to every sibling (buffered by the transports, not awaited)."""
+        payload = orjson.dumps(message)
+        data = _LENGTH.pack(len(payload)) + payload
         for transport in self._transports:
             if not transport.is_closing():
                 transport.write(data)
@@ -78,11 +72,11 @@ class SiblingLinks:
             transport.close()
 
 
-class _RecordReader(asyncio.Protocol):
-    """Splits a sibling's byte stream into records."""
+class _MessageReader(asyncio.Protocol):
+    """Splits a sibling's byte stream into messages."""
 
-    def __init__(self, on_record: Callable[[Record], None]) -> None:
-        self._on_record = on_record
+    def __init__(self, on_message: Callable[[Any], None]) -> None:
+        self._on_message = on_message
         self._buffer = bytearray()
 
     def data_received(self, data: bytes) -> None:
@@ -94,7 +88,7 @@ class _RecordReader(asyncio.Protocol):
             end = start + _LENGTH.size + length
             if len(buffer) < end:
                 break
-            self._on_record(orjson.loads(memoryview(buffer)[start + _LENGTH.size : end]))
+            self._on_message(orjson.loads(memoryview(buffer)[start + _LENGTH.size : end]))
             start = end
         del buffer[:start]
 
@@ -104,71 +98,46 @@ class _RecordReader(asyncio.Protocol):
             log.warning("the link to a sibling router process broke: %s", exc)
 
 
-class TreeReplication:
-    """Copies a cache_aware policy's tree records to the siblings and applies theirs."""
+class SiblingAnnouncements:
+    """This process's announcements to its siblings, and theirs applied to its policy.
 
-    def __init__(self, policy: CacheAwarePolicy, links: SiblingLinks) -> None:
-        self._policy = policy
-        self._links = links
-        policy.replica = self
-
-    def inserted(self, pool: str, model: str, text: str, worker_id: str, now: float) -> None:
-        self._links.send(["i", pool, model, text, worker_id, now])
-
-    def untagged(self, pool: str, model: str, text: str, worker_id: str, held: int) -> None:
-        self._links.send(["u", pool, model, text, worker_id, held])
-
-    def apply(self, record: Record) -> None:
-        """A sibling's record, applied to this process's tree."""
-        kind, pool, model, text, worker_id, value = record
-        if kind == "i":
-            self._policy.apply_insert(pool, model, text, worker_id, value)
-        else:
-            self._policy.apply_untag(pool, model, text, worker_id, value)
-
-
-class KvReplication:
-    """Copies a kv_aware routing's predictions and this process's guard changes to the
-    siblings, and applies theirs."""
+    ``view`` records the siblings' choices (its ``on_load`` hears the workers whose
+    sibling guards changed); :attr:`announcer` is what the routing policy announces to
+    (wrapped in :class:`~kvserve.core.routing.announcing_policy.AnnouncingPolicy`)."""
 
     def __init__(
         self,
-        routing: KvAwareRouting,
         links: SiblingLinks,
-        fleet_load: Callable[[str], WorkerLoad],
+        index: int,
+        view: PeerView,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        self._routing = routing
         self._links = links
-        self._fleet_load = fleet_load  # a worker's load summed over every process
-        routing.replica = self
+        self.view = view
+        self._clock = clock
+        # One host, one monotonic clock: each choice is applied as of its origin's time.
+        self.announcer = Announcer(f"process-{index}", on_note=self._schedule, stamp_times=True)
+        self._flush_scheduled = False
 
-    def queued(self, worker_id: str, seconds: float, now: float) -> None:
-        self._links.send(["q", worker_id, seconds, now])
+    async def start(self) -> None:
+        await self._links.start(self._receive)
 
-    def unqueued(self, worker_id: str, seconds: float, ends_at: float, now: float) -> None:
-        self._links.send(["Q", worker_id, seconds, ends_at, now])
+    def _schedule(self) -> None:
+        """A note was taken: send everything noted this loop iteration once it ends."""
+        if not self._flush_scheduled:
+            self._flush_scheduled = True
+            asyncio.get_running_loop().call_soon(self._flush)
 
-    def speculated(self, worker_id: str, block_hashes: Sequence[int], deadline: float) -> None:
-        self._links.send(["s", worker_id, list(block_hashes), deadline])
+    def _flush(self) -> None:
+        self._flush_scheduled = False
+        announcement = self.announcer.take()
+        if not announcement.is_empty():
+            self._links.send(announcement.to_json())
 
-    def withdrawn(self, worker_id: str, block_hashes: Sequence[int], deadline: float) -> None:
-        self._links.send(["w", worker_id, list(block_hashes), deadline])
-
-    def load_changed(self, worker_id: str) -> None:
-        """This process's guards on ``worker_id`` changed (the table has the new total)."""
-        self._links.send(["l", worker_id])
-
-    def apply(self, record: Record) -> None:
-        """A sibling's record, applied to this process's routing."""
-        kind, worker_id, *rest = record
-        routing = self._routing
-        if kind == "l":
-            routing.loads.update(self._fleet_load(worker_id))
-        elif kind == "q":
-            routing.apply_queued(worker_id, *rest)
-        elif kind == "Q":
-            routing.apply_unqueued(worker_id, *rest)
-        elif kind == "s":
-            routing.index.speculate(worker_id, rest[0], rest[1])
-        else:
-            routing.index.withdraw(worker_id, rest[0], rest[1])
+    def _receive(self, message: object) -> None:
+        try:
+            announcement = Announcement.from_json(message)
+        except ValueError as error:  # the same code sent it: a bug, not an attack
+            log.error("dropped a sibling process's announcement: %s", error)
+            return
+        self.view.apply(announcement, self._clock())

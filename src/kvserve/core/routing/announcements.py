@@ -26,9 +26,15 @@ What it cannot do: requests that reach different replicas within one announcemen
 of each other are decided blind to each other, and deterministic replicas in the same
 state then choose alike (docs/benchmarks.md, "Router replicas announcing their routing").
 
+The processes of one router (``kvserve router --processes N``) are replicas on one port
+and exchange the same announcements (choices and undos) over socketpairs
+(:mod:`kvserve.router.sibling_links`). They need no announced loads for their values:
+their guards are summed exactly in a shared-memory table; a sibling's load notes only
+tell a process which worker's total to re-read from it (kv_aware orders workers by load).
+
 Pure and I/O-free: the simulator delivers announcements after a modelled delay, the
-router over a WebSocket per peer (:mod:`kvserve.router.peers`); both call
-:meth:`PeerView.apply`.
+router over a WebSocket per peer (:mod:`kvserve.router.peers`) or a socketpair per
+sibling process; all call :meth:`PeerView.apply`.
 """
 
 from __future__ import annotations
@@ -52,7 +58,13 @@ class ChoiceNote:
 
     What a policy records of a choice: kv_aware the prompt's block hashes, tokens and
     the tokens predicted cached; cache_aware the prompt's text in its pool and model's
-    tree (``text`` is empty for the others)."""
+    tree (``text`` is empty for the others). A prefill/decode pair is announced as two
+    choices: the prefill worker's, and the decode worker's with ``computes`` False
+    (kv_aware expects the blocks there, which the prefill worker sends, but queues no
+    prefill). ``at`` is when the origin chose, on its clock: stamped only where the
+    receivers share that clock (a router's processes on one host), so that they record
+    the choice as of the same time as the origin (the speculative blocks' deadline, the
+    prefill's end in the queue); peers on other hosts record it when it arrives."""
 
     seq: int
     worker_id: str
@@ -62,6 +74,8 @@ class ChoiceNote:
     text: str = ""
     model: str = ""
     pool: str = "regular"
+    computes: bool = True
+    at: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -135,18 +149,25 @@ def _choice_json(c: ChoiceNote) -> list[object]:
         c.prompt_tokens,
         c.cached_tokens,
     ]
-    if c.text:
-        fields += [c.text, c.model, c.pool]
+    if c.text or c.pool != "regular" or not c.computes or c.at is not None:
+        fields += [c.text, c.model, c.pool, c.computes, c.at]
     return fields
 
 
 def _parse_choice(value: object) -> ChoiceNote:
-    if not isinstance(value, list) or len(value) not in (5, 8):
-        raise ValueError(f"a choice is a list of 5 or 8 values, got {value!r:.80}")
+    if not isinstance(value, list) or len(value) not in (5, 10):
+        raise ValueError(f"a choice is a list of 5 or 10 values, got {value!r:.80}")
     seq, worker, hashes, tokens, cached = value[:5]
     if not isinstance(hashes, list):
         raise ValueError("a choice's block hashes are a list")
-    text, model, pool = (_str(v) for v in value[5:]) if len(value) == 8 else ("", "", "regular")
+    text, model, pool, computes, at = "", "", "regular", True, None
+    if len(value) == 10:
+        text, model, pool = (_str(v) for v in value[5:8])
+        computes, at = value[8], value[9]
+        if not isinstance(computes, bool):
+            raise ValueError(f"a choice's computes flag is a boolean, got {computes!r}")
+        if at is not None and (isinstance(at, bool) or not isinstance(at, int | float)):
+            raise ValueError(f"a choice's time is a number, got {at!r}")
     return ChoiceNote(
         _int(seq),
         _str(worker),
@@ -156,6 +177,8 @@ def _parse_choice(value: object) -> ChoiceNote:
         text,
         model,
         pool,
+        computes,
+        None if at is None else float(at),
     )
 
 
@@ -180,11 +203,15 @@ def _str(value: object) -> str:
 
 class Announcer:
     """What this replica has to announce since the last :meth:`take`; ``on_note`` is
-    called after each note (the router schedules a send)."""
+    called after each note (the router schedules a send). ``stamp_times``: the receivers
+    share this replica's clock, so each choice carries its time (``ChoiceNote.at``)."""
 
-    def __init__(self, origin: str, on_note: Callable[[], None] | None = None) -> None:
+    def __init__(
+        self, origin: str, on_note: Callable[[], None] | None = None, stamp_times: bool = False
+    ) -> None:
         self.origin = origin
         self.on_note = on_note
+        self._stamp_times = stamp_times
         self._next_seq = 0
         self._choices: list[ChoiceNote] = []
         self._undone: list[int] = []
@@ -200,12 +227,24 @@ class Announcer:
         text: str = "",
         model: str = "",
         pool: str = "regular",
+        computes: bool = True,
+        at: float | None = None,
     ) -> int:
-        """Record a choice; returns its number, for :meth:`undo`."""
+        """Record a choice made at ``at`` (kept only with ``stamp_times``); returns its
+        number, for :meth:`undo`."""
         seq = self._next_seq
         self._next_seq += 1
         note = ChoiceNote(
-            seq, worker_id, tuple(block_hashes), prompt_tokens, cached_tokens, text, model, pool
+            seq,
+            worker_id,
+            tuple(block_hashes),
+            prompt_tokens,
+            cached_tokens,
+            text,
+            model,
+            pool,
+            computes,
+            at if self._stamp_times else None,
         )
         self._choices.append(note)
         self._noted()
@@ -283,7 +322,7 @@ class PeerView:
         self.applied += 1
         origin = announcement.origin
         for note in announcement.choices:
-            take_back = self._record_choice(note, now)
+            take_back = self._record_choice(note, now if note.at is None else note.at)
             self.choices_recorded += 1
             if take_back is not None:
                 self._pending[(origin, note.seq)] = (now, take_back)

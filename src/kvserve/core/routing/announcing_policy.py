@@ -5,9 +5,12 @@ select, undo) stays as it is for one router.
 A choice is announced with what the policy records of it (``Policy.peer_choice_input``):
 kv_aware's with the prompt's block hashes, cache_aware's with the prompt's text, so that
 a peer's policy records it as its own (``Policy.observe_peer_choice``). The other
-policies record nothing of a choice and announce none; nor does the prefill/decode pair
-choice (not built). Guards' load is announced whatever the policy (by whoever owns the
-guards, through :meth:`~kvserve.core.routing.announcements.Announcer.load`).
+policies record nothing of a choice and announce none. A prefill/decode pair is
+announced as the two records the policy made: the prompt on the prefill worker (its
+prefill queued there) and on the decode worker (kv_aware: blocks expected, no prefill),
+or on the decode worker alone when it prefills locally. Guards' load is announced by
+whoever owns the guards, through
+:meth:`~kvserve.core.routing.announcements.Announcer.load`.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from collections.abc import Iterable, Sequence
 
 from kvserve.core.kv_events import KVEvent
 from kvserve.core.routing.announcements import Announcer, ChoiceNote
-from kvserve.core.routing.pd_pair import PDConfig
+from kvserve.core.routing.pd_pair import DECODE_POOL, PREFILL_POOL, PDConfig
 from kvserve.core.routing.policy import Policy
 from kvserve.core.routing.types import (
     PairDecision,
@@ -41,27 +44,10 @@ class AnnouncingPolicy(Policy):
         self, query: RouteQuery, workers: Sequence[WorkerLoad], now: float
     ) -> RoutingDecision:
         decision = self.inner.select(query, workers, now)
-        blocks = query.blocks
-        kind = self.inner.peer_choice_input
-        if kind == "blocks" and blocks is not None:
-            cached = round(decision.matched_fraction * blocks.num_tokens)
-            seq = self.announcer.choice(
-                decision.worker_id, blocks.reusable_hashes, blocks.num_tokens, cached
-            )
-        elif kind == "text":
-            seq = self.announcer.choice(
-                decision.worker_id, (), query.prefill_tokens, 0, query.text, query.model, query.pool
-            )
-        else:
+        seq = self._announce(query, now, decision.worker_id, decision.matched_fraction, query.pool)
+        if seq is None:
             return decision
-        inner_take_back = decision.take_back
-
-        def take_back(at: float) -> None:
-            if inner_take_back is not None:
-                inner_take_back(at)
-            self.announcer.undo(seq)
-
-        return dataclasses.replace(decision, take_back=take_back)
+        return dataclasses.replace(decision, take_back=self._undoing(decision.take_back, seq))
 
     def select_pair(
         self,
@@ -71,7 +57,74 @@ class AnnouncingPolicy(Policy):
         now: float,
         pd: PDConfig,
     ) -> PairDecision:
-        return self.inner.select_pair(query, decodes, prefills, now, pd)
+        decision = self.inner.select_pair(query, decodes, prefills, now, pd)
+        matched, decode_id = decision.matched_fraction, decision.worker_id
+        prefill_id = decision.prefill_worker_id
+        seqs: tuple[int, ...]
+        if prefill_id is None:  # the decode worker prefills the prompt itself
+            seq = self._announce(query, now, decode_id, matched, DECODE_POOL)
+            seqs = () if seq is None else (seq,)
+        else:
+            seqs = tuple(
+                seq
+                for seq in (
+                    self._announce(query, now, prefill_id, matched, PREFILL_POOL),
+                    self._announce(query, now, decode_id, 0.0, DECODE_POOL, computes=False),
+                )
+                if seq is not None
+            )
+        if not seqs:
+            return decision
+        return dataclasses.replace(decision, take_back=self._undoing(decision.take_back, *seqs))
+
+    def _announce(
+        self,
+        query: RouteQuery,
+        now: float,
+        worker_id: str,
+        matched_fraction: float,
+        pool: str,
+        computes: bool = True,
+    ) -> int | None:
+        """Announce that ``worker_id`` got the prompt, in the form the inner policy
+        records it; its number, or None where the policy records nothing of it."""
+        blocks = query.blocks
+        kind = self.inner.peer_choice_input
+        if kind == "blocks" and blocks is not None:
+            cached = round(matched_fraction * blocks.num_tokens)
+            return self.announcer.choice(
+                worker_id,
+                blocks.reusable_hashes,
+                blocks.num_tokens,
+                cached,
+                pool=pool,
+                computes=computes,
+                at=now,
+            )
+        if kind == "text":
+            return self.announcer.choice(
+                worker_id,
+                (),
+                query.prefill_tokens,
+                0,
+                query.text,
+                query.model,
+                pool,
+                computes,
+                at=now,
+            )
+        return None
+
+    def _undoing(self, inner_take_back: TakeBack | None, *seqs: int) -> TakeBack:
+        """``inner_take_back``, then the undo of the announced choices ``seqs``."""
+
+        def take_back(at: float) -> None:
+            if inner_take_back is not None:
+                inner_take_back(at)
+            for seq in seqs:
+                self.announcer.undo(seq)
+
+        return take_back
 
     def observe_events(self, worker_id: str, events: Sequence[KVEvent]) -> None:
         self.inner.observe_events(worker_id, events)

@@ -66,7 +66,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 import xxhash
 
@@ -294,19 +294,6 @@ def _choose(
     return KvAwareChoice(Prediction(worker, cached, ttft), reason)
 
 
-class KvReplica(Protocol):
-    """Where a routing's own predictions are copied to keep sibling copies of it the same
-    (the router's other processes: see ``router/sibling_links.py``)."""
-
-    def queued(self, worker_id: str, seconds: float, now: float) -> None: ...
-
-    def unqueued(self, worker_id: str, seconds: float, ends_at: float, now: float) -> None: ...
-
-    def speculated(self, worker_id: str, block_hashes: Sequence[int], deadline: float) -> None: ...
-
-    def withdrawn(self, worker_id: str, block_hashes: Sequence[int], deadline: float) -> None: ...
-
-
 class KvAwareRouting:
     """The index and the rule together: what a router replica or the simulator holds."""
 
@@ -315,9 +302,6 @@ class KvAwareRouting:
         self.index = index if index is not None else KVBlockIndex(config.index_max_entries)
         self.loads = LoadOrder(config.prefill_s, config.decode_request_s)
         self.queue = PrefillQueue(self.loads)
-        # Told of every prefill queued and block speculated by this routing's own
-        # decisions, and of their take-backs; None with one router process.
-        self.replica: KvReplica | None = None
 
     def select(
         self,
@@ -381,14 +365,9 @@ class KvAwareRouting:
         seconds = self.config.prefill_s(prompt_tokens - cached, cached)
         ends_at = self.queue.push(worker_id, seconds, now)
         withdraw = self.expect_blocks(worker_id, block_hashes, now)
-        replica = self.replica
-        if replica is not None:
-            replica.queued(worker_id, seconds, now)
 
         def take_back(at: float) -> None:
             self.queue.take_back(worker_id, seconds, ends_at, at)
-            if replica is not None:
-                replica.unqueued(worker_id, seconds, ends_at, at)
             withdraw(at)
 
         return take_back
@@ -398,27 +377,13 @@ class KvAwareRouting:
         (a PD decode worker gets them from its prefill worker, computing nothing).
         Returns what withdraws them."""
         deadline = now + self.config.speculative_ttl_s
-        replica = self.replica
         if self.config.speculative_ttl_s > 0:
             self.index.speculate(worker_id, block_hashes, deadline)
-            if replica is not None:
-                replica.speculated(worker_id, block_hashes, deadline)
 
         def withdraw(_: float) -> None:
             self.index.withdraw(worker_id, block_hashes, deadline)
-            if replica is not None and self.config.speculative_ttl_s > 0:
-                replica.withdrawn(worker_id, block_hashes, deadline)
 
         return withdraw
-
-    def apply_queued(self, worker_id: str, seconds: float, now: float) -> None:
-        """A sibling copy queued ``seconds`` of prefill on ``worker_id``: queue it here."""
-        self.queue.push(worker_id, seconds, now)
-
-    def apply_unqueued(self, worker_id: str, seconds: float, ends_at: float, now: float) -> None:
-        """A sibling copy took such a prefill back (``ends_at``: its end there, which
-        bounds the part not yet done)."""
-        self.queue.take_back(worker_id, seconds, ends_at, now)
 
     def forget_worker(self, worker_id: str) -> None:
         self.index.remove_worker(worker_id)

@@ -14,9 +14,9 @@ or the prompt is short; else the prefill worker with the least predicted prefill
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Protocol
 
 from kvserve.core.routing.announcements import ChoiceNote
+from kvserve.core.routing.approximate_tree import ApproximatePrefixTree
 from kvserve.core.routing.cache_aware import CacheAwareConfig, CacheAwareIndex, select_worker
 from kvserve.core.routing.pd_pair import (
     DECODE_POOL,
@@ -37,15 +37,6 @@ from kvserve.core.routing.types import (
 )
 
 
-class TreeReplica(Protocol):
-    """Where a policy's tree records are copied to keep sibling copies of it the same
-    (the router's other processes: see ``router/sibling_links.py``)."""
-
-    def inserted(self, pool: str, model: str, text: str, worker_id: str, now: float) -> None: ...
-
-    def untagged(self, pool: str, model: str, text: str, worker_id: str, held: int) -> None: ...
-
-
 class CacheAwarePolicy(Policy):
     name = "cache_aware"
     peer_choice_input = "text"
@@ -54,9 +45,6 @@ class CacheAwarePolicy(Policy):
         self._config = config
         self._index = CacheAwareIndex(config, now)
         self._rotations = PoolRotations()
-        # Told of every insert and take-back this policy's own decisions make; None with
-        # one router process (the copy then costs nothing).
-        self.replica: TreeReplica | None = None
 
     @property
     def index(self) -> CacheAwareIndex:
@@ -72,8 +60,7 @@ class CacheAwarePolicy(Policy):
             workers, matched, len(query.text), self._config, self._rotations[query.pool]
         )
         worker_id = choice.worker.worker_id
-        held = matched.get(worker_id, 0)
-        take_back = self._insert(query.pool, query.model, query.text, worker_id, held, now)
+        take_back = _insert(tree, query.text, worker_id, matched.get(worker_id, 0), now)
         return RoutingDecision(
             worker_id, self.name, choice.reason, choice.matched_fraction, take_back
         )
@@ -106,16 +93,13 @@ class CacheAwarePolicy(Policy):
         )
         decode_id = pair.decode.load.worker_id
         decode_held = decode_matched.get(decode_id, 0)
-        take_back = self._insert(DECODE_POOL, query.model, query.text, decode_id, decode_held, now)
+        take_back = _insert(decode_tree, query.text, decode_id, decode_held, now)
         if pair.prefill is None:
             matched = pair.decode.matched_fraction
             return PairDecision(decode_id, self.name, pair.reason, matched, take_back)
         prefill_id = pair.prefill.worker_id
         prefill_held = round(prefill_matched.get(prefill_id, 0.0) * text_chars)
-        take_backs = (
-            take_back,
-            self._insert(PREFILL_POOL, query.model, query.text, prefill_id, prefill_held, now),
-        )
+        take_backs = (take_back, _insert(prefill_tree, query.text, prefill_id, prefill_held, now))
         return PairDecision(
             decode_id,
             self.name,
@@ -133,35 +117,16 @@ class CacheAwarePolicy(Policy):
             return None
         tree = self._index.tree(choice.pool, choice.model)
         held = tree.match(choice.text).get(choice.worker_id, 0)
-        tree.insert(choice.text, choice.worker_id, now)
-        return lambda _: tree.untag(choice.text, choice.worker_id, held)
+        return _insert(tree, choice.text, choice.worker_id, held, now)
 
     def forget_worker(self, worker_id: str) -> None:
         self._index.forget_worker(worker_id)
 
-    def apply_insert(self, pool: str, model: str, text: str, worker_id: str, now: float) -> None:
-        """A sibling copy's decision sent ``text`` to ``worker_id``: record it here too."""
-        self._index.tree(pool, model).insert(text, worker_id, now)
 
-    def apply_untag(self, pool: str, model: str, text: str, worker_id: str, held: int) -> None:
-        """A sibling copy took back such a record (``held``: the characters the worker
-        held before it, which stay)."""
-        self._index.tree(pool, model).untag(text, worker_id, held)
-
-    def _insert(
-        self, pool: str, model: str, text: str, worker_id: str, held_chars: int, now: float
-    ) -> TakeBack:
-        """Record ``text`` as sent to ``worker_id``, which held ``held_chars`` of it before;
-        returns what takes that back (only the part it did not hold)."""
-        tree = self._index.tree(pool, model)
-        tree.insert(text, worker_id, now)
-        replica = self.replica
-        if replica is None:
-            return lambda _: tree.untag(text, worker_id, held_chars)
-        replica.inserted(pool, model, text, worker_id, now)
-
-        def take_back(_: float) -> None:
-            tree.untag(text, worker_id, held_chars)
-            replica.untagged(pool, model, text, worker_id, held_chars)
-
-        return take_back
+def _insert(
+    tree: ApproximatePrefixTree, text: str, worker_id: str, held_chars: int, now: float
+) -> TakeBack:
+    """Record ``text`` as sent to ``worker_id``, which held ``held_chars`` of it before;
+    returns what takes that back (only the part it did not hold)."""
+    tree.insert(text, worker_id, now)
+    return lambda _: tree.untag(text, worker_id, held_chars)
