@@ -155,8 +155,10 @@ def test_a_port_another_router_serves_is_refused(
     ("options", "message"),
     [
         ({"port": 0}, "fixed --port"),
+        # replicas on one port announce to each other; peers too would need both loads
+        ({"port": 8123, "peer_urls": ("http://127.0.0.1:9",)}, "--peers cannot be combined"),
     ],
 )
-def test_a_port_each_process_cannot_bind_is_refused(options: dict, message: str) -> None:  # type: ignore[type-arg]
+def test_options_several_processes_cannot_take_are_refused(options: dict, message: str) -> None:  # type: ignore[type-arg]
     with pytest.raises(ValueError, match=message):
         RouterConfig(worker_urls=("http://w:1",), processes=2, **options)
