@@ -10,12 +10,16 @@ target so that machine noise hits all of them alike. Reported, per target:
   seconds, driven by ``--client``: ``wrk`` (``wrk -t1 -cN``, a C load generator; installed
   from Debian's packages when missing) or ``python`` (aiohttp clients); with ``wrk`` also
   its p50/p99 latency under that load;
-- router CPU per request in that loop (user + system time of the router process, from
-  ``/proc``, so Linux only): on a shared box this is steadier than requests/s, which
-  also depends on how the client and the upstream get the cores.
+- router CPU per request in that loop (user + system time of the router process and its
+  children, from ``/proc``, so Linux only): on a shared box this is steadier than
+  requests/s, which also depends on how the client and the upstream get the cores.
+
+kvserve runs once per ``--processes`` count asked (``kvserve xN``: ``kvserve router
+--processes N``), so that one process and one per core compare with sglang-router, which
+uses every core it is given. The load average is printed before and after.
 
 Run: ``python benchmarks/router_overhead.py [--client wrk] [--policy cache_aware
-round_robin] [--rounds 5]`` (needs ``pip install sglang-router``).
+round_robin] [--processes 1 2] [--rounds 5]`` (needs ``pip install sglang-router``).
 """
 
 from __future__ import annotations
@@ -160,9 +164,18 @@ def _wrk_load(
 
 
 def _cpu_seconds(pid: int) -> float:
-    """User + system CPU time the process has used so far."""
+    """User + system CPU time the process and its live descendants have used so far."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    own = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return own + sum(_cpu_seconds(child) for child in _children(pid))
+
+
+def _children(pid: int) -> list[int]:
+    return [
+        int(child)
+        for task in Path(f"/proc/{pid}/task").iterdir()
+        for child in (task / "children").read_text().split()
+    ]
 
 
 def _percentile(values: list[float], q: float) -> float:
@@ -192,7 +205,8 @@ def _report(targets: list[Target], args: argparse.Namespace) -> None:
     direct_p99 = _percentile(direct.latency, 99)
     print(
         f"client={args.client} rounds={args.rounds} requests/round={args.requests} "
-        f"concurrency={args.concurrency} duration={args.duration}s backends={args.backends}"
+        f"concurrency={args.concurrency} duration={args.duration}s backends={args.backends} "
+        f"cores={os.cpu_count()}"
     )
     print(
         f"{'target':<26} {'p50 ms':>7} {'p99 ms':>7} {'+p50 ms':>8} {'+p99 ms':>8} "
@@ -213,16 +227,21 @@ def _report(targets: list[Target], args: argparse.Namespace) -> None:
             f"{statistics.median(target.cpu_per_request) * 1e6:>10.0f}"
         )
     for policy in args.policy:
-        kv = next(t for t in targets if t.label == f"kvserve {policy}")
         sg = next(t for t in targets if t.label == f"sglang {policy}")
-        ratios = [k / s for k, s in zip(kv.throughput, sg.throughput, strict=True)]
-        rps = statistics.median(kv.throughput) / statistics.median(sg.throughput)
-        cpu = statistics.median(kv.cpu_per_request) / statistics.median(sg.cpu_per_request)
-        per_round = ", ".join(f"{r:.2f}" for r in ratios)
-        print(
-            f"{policy}: kvserve/sglang req/s {rps:.2f} (per round: {per_round}), "
-            f"CPU per request {cpu:.2f}"
-        )
+        for processes in args.processes:
+            kv = next(t for t in targets if t.label == f"kvserve x{processes} {policy}")
+            ratios = [k / s for k, s in zip(kv.throughput, sg.throughput, strict=True)]
+            rps = statistics.median(kv.throughput) / statistics.median(sg.throughput)
+            cpu = statistics.median(kv.cpu_per_request) / statistics.median(sg.cpu_per_request)
+            per_round = ", ".join(f"{r:.2f}" for r in ratios)
+            print(
+                f"{policy}: kvserve x{processes}/sglang req/s {rps:.2f} "
+                f"(per round: {per_round}), CPU per request {cpu:.2f}"
+            )
+    for target in targets[1:]:
+        rounds = ", ".join(f"{r:.0f}" for r in target.throughput)
+        p99s = ", ".join(f"{p * 1e3:.1f}" for p in target.loaded_p99)
+        print(f"{target.label}: req/s per round {rounds}; load p99 ms per round {p99s or '-'}")
 
 
 def main() -> None:
@@ -238,9 +257,13 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=32)
     parser.add_argument("--duration", type=float, default=5.0, help="seconds per load round")
     parser.add_argument(
+        "--processes", type=int, nargs="+", default=[1, 2], help="kvserve router process counts"
+    )
+    parser.add_argument(
         "--router-option", action="append", default=[], help="extra kvserve router flag"
     )
     args = parser.parse_args()
+    print(f"load average before: {os.getloadavg()}")
     wrk = ensure_wrk() if args.client == "wrk" else None
 
     started: list[ServerProcess] = []
@@ -254,9 +277,11 @@ def main() -> None:
         targets = [Target("direct (one backend)", backends[0])]
         for policy in args.policy:
             extra = [part for option in args.router_option for part in option.split()]
-            kv = start_router(urls, free_port(), "--policy", policy, *extra)
-            started.append(kv)
-            targets.append(Target(f"kvserve {policy}", kv))
+            for processes in args.processes:
+                options = ["--policy", policy, "--processes", str(processes), *extra]
+                kv = start_router(urls, free_port(), *options)
+                started.append(kv)
+                targets.append(Target(f"kvserve x{processes} {policy}", kv))
             sg = start_sglang_router(urls, free_port(), policy)
             started.append(sg)
             targets.append(Target(f"sglang {policy}", sg))
@@ -270,6 +295,7 @@ def main() -> None:
         for process in reversed(started):
             process.stop()
         script.unlink()
+    print(f"load average after: {os.getloadavg()}")
     _report(targets, args)
 
 

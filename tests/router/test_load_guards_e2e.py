@@ -1,6 +1,8 @@
 """Every way a request can end releases its load exactly once: the gauges return to zero.
 
-One router (round robin, 1 s request timeout, one retry) over foreign servers A, B, C.
+One router (round robin, 1 s request timeout, one retry) over foreign servers A, B, C, run
+as one process and as two (``--processes 2``: the gauges are the fleet's totals whichever
+process answers; requests on fresh connections land on either).
 """
 
 from __future__ import annotations
@@ -12,19 +14,24 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from tests.support.metrics_text import by_label, samples
+from tests.support.metrics_text import by_label, samples, samples_of_every_process
 from tests.support.ports import free_port
 from tests.support.processes import ServerProcess, start_router
 
 GAUGES = ("kvserve_router_in_flight_requests", "kvserve_router_in_flight_prefill_tokens")
 
 
+@pytest.fixture(scope="module", params=[1, 2], ids=["1-process", "2-processes"])
+def processes(request: pytest.FixtureRequest) -> int:
+    return int(request.param)
+
+
 @pytest.fixture(scope="module")
-def router(foreign_fleet: list[ServerProcess]) -> Iterator[ServerProcess]:
+def router(foreign_fleet: list[ServerProcess], processes: int) -> Iterator[ServerProcess]:
     urls = [server.url for server in foreign_fleet]
     options = ["--policy", "round_robin", "--request-timeout", "1.0"]
     options += ["--max-retries", "1", "--retry-initial-backoff", "0.01"]
-    with start_router(urls, free_port(), *options) as process:
+    with start_router(urls, free_port(), *options, "--processes", str(processes)) as process:
         yield process
 
 
@@ -52,11 +59,11 @@ def assert_idle(router: ServerProcess, within_s: float = 3.0) -> None:
         time.sleep(0.05)
 
 
-def _retries(router: ServerProcess) -> float:
+def _retries(router: ServerProcess, processes: int) -> float:
+    """Retries counted by every process (each counts its own)."""
     return sum(
-        by_label(
-            samples(router.url + "/metrics"), "kvserve_router_retries_total", "worker"
-        ).values()
+        sum(by_label(found, "kvserve_router_retries_total", "worker").values())
+        for found in samples_of_every_process(router.url + "/metrics", processes)
     )
 
 
@@ -94,22 +101,22 @@ def test_load_is_visible_while_held_and_prefill_goes_at_first_token(
 
 @pytest.mark.parametrize("status", [400, 404, 422, 501])
 def test_upstream_error_not_retried_is_passed_through(
-    client: httpx.Client, router: ServerProcess, status: int
+    client: httpx.Client, router: ServerProcess, processes: int, status: int
 ) -> None:
-    before = _retries(router)
+    before = _retries(router, processes)
     response = client.post("/v1/completions", json={"prompt": "x", "x_test": {"status": status}})
     assert response.status_code == status
     assert "injected" in response.json()["error"]["message"]
-    assert _retries(router) == before
+    assert _retries(router, processes) == before
 
 
 def test_retryable_upstream_error_is_retried_then_reported(
-    client: httpx.Client, router: ServerProcess
+    client: httpx.Client, router: ServerProcess, processes: int
 ) -> None:
-    before = _retries(router)
+    before = _retries(router, processes)
     response = client.post("/v1/completions", json={"prompt": "x", "x_test": {"status": 503}})
     assert response.status_code == 503
-    assert _retries(router) == before + 1
+    assert _retries(router, processes) == before + 1
 
 
 def test_retry_lands_on_another_worker(
@@ -167,7 +174,11 @@ def test_client_disconnect_before_the_answer_releases(
     assert_idle(router)
 
 
-def test_worker_removed_mid_request(client: httpx.Client, router: ServerProcess) -> None:
+def test_worker_removed_mid_request(
+    client: httpx.Client, router: ServerProcess, processes: int
+) -> None:
+    if processes > 1:
+        pytest.skip("the worker set is fixed with --processes > 1 (test_processes_e2e.py)")
     body = {"prompt": "x", "stream": True, "x_test": {"tokens": 10, "token_delay": 0.05}}
     with client.stream("POST", "/v1/completions", json=body) as response:
         worker = response.headers["x-kvserve-worker"]

@@ -1,7 +1,8 @@
 """Prefill/decode disaggregation end to end: real workers (one prefill, two decode, one
 mixed for reference) behind a PD router; greedy output, cache hits on both sides, and
 every way a request can be cut short leaving every worker and the router at baseline.
-All of it twice: over the built-in TCP transfer and over the Mooncake Transfer Engine."""
+All of it over the built-in TCP transfer and over the Mooncake Transfer Engine, and over TCP
+with a router of two processes (``--processes 2``)."""
 
 from __future__ import annotations
 
@@ -46,7 +47,7 @@ _ONE_THREAD = {"OMP_NUM_THREADS": "1"}
 
 
 class Fleet:
-    def __init__(self, model_dir: Path, kv_transfer: str) -> None:
+    def __init__(self, model_dir: Path, kv_transfer: str, processes: int = 1) -> None:
         # A small step budget makes a long prompt's prefill last long enough to cut into.
         self.model_dir = model_dir
         transfer = ("--kv-transfer", kv_transfer)
@@ -61,6 +62,7 @@ class Fleet:
         args = [*KVSERVE_COMMAND, "router", "--port", str(port), "--prefill", self.prefill.url]
         args += ["--decode", ",".join(d.url for d in self.decodes), "--health-check-interval", "1"]
         args += ["--max-retries", "2", "--retry-initial-backoff", "0.01"]
+        args += ["--processes", str(processes)]
         self.router = ServerProcess(args, f"http://127.0.0.1:{port}", name="router").wait_healthy()
 
     @property
@@ -72,14 +74,18 @@ class Fleet:
             process.stop()
 
 
-@pytest.fixture(scope="module", params=["tcp", "mooncake"])
+@pytest.fixture(
+    scope="module",
+    params=[("tcp", 1), ("mooncake", 1), ("tcp", 2)],
+    ids=["tcp", "mooncake", "tcp-2-processes"],
+)
 def fleet(
     tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest
 ) -> Iterator[Fleet]:
     from kvserve.engine.tiny_model import make_tiny_model
 
     model_dir = make_tiny_model(tmp_path_factory.mktemp("pd-model"), "llama")
-    fleet = Fleet(model_dir, request.param)
+    fleet = Fleet(model_dir, *request.param)
     try:
         yield fleet
     finally:

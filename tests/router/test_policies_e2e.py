@@ -1,4 +1,6 @@
-"""Each policy routes correctly, through a real router process over real foreign servers."""
+"""Each policy routes correctly, through a real router process over real foreign servers
+(cache_aware, session and streaming also with ``--processes 2``: one client connection
+stays with one process, whose decisions must be the single-process ones)."""
 
 from __future__ import annotations
 
@@ -55,8 +57,9 @@ def test_randomized_policies_use_the_whole_fleet(router_for, policy: str) -> Non
     assert {decision["policy"] for _, _, decision in picks} == {policy}
 
 
-def test_session_policy_sticks_by_header_or_user(router_for) -> None:
-    client = router_for("session")
+@pytest.mark.parametrize("processes", ["1", "2"])
+def test_session_policy_sticks_by_header_or_user(router_for, processes: str) -> None:
+    client = router_for("session", "--processes", processes)
     by_header = {
         _served_by(client, {"prompt": f"turn {i}"}, headers={"x-session-id": "conv-1"})[1]
         for i in range(5)
@@ -68,8 +71,9 @@ def test_session_policy_sticks_by_header_or_user(router_for) -> None:
     assert _served_by(client, {"prompt": "anonymous"})[2]["reason"] == "no_session_key"
 
 
-def test_cache_aware_follows_prefixes_and_balances_the_rest(router_for) -> None:
-    client = router_for("cache_aware")
+@pytest.mark.parametrize("processes", ["1", "2"])
+def test_cache_aware_follows_prefixes_and_balances_the_rest(router_for, processes: str) -> None:
+    client = router_for("cache_aware", "--processes", processes)
     first_worker, first_server, first = _served_by(client, {"prompt": PREFIX + "Q: What is 2+2?"})
     assert first["reason"] == "cache_miss"
     response = client.post(
@@ -83,8 +87,9 @@ def test_cache_aware_follows_prefixes_and_balances_the_rest(router_for) -> None:
     assert Counter(unrelated) == {"A": 3, "B": 3, "C": 3}
 
 
-def test_openai_sdk_streams_chat_through_the_router(router_for) -> None:
-    client = router_for("cache_aware")
+@pytest.mark.parametrize("processes", ["1", "2"])
+def test_openai_sdk_streams_chat_through_the_router(router_for, processes: str) -> None:
+    client = router_for("cache_aware", "--processes", processes)
     sdk = openai.OpenAI(base_url=str(client.base_url) + "/v1", api_key="unused")
     stream = sdk.chat.completions.create(
         model="foreign",

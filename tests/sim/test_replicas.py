@@ -46,3 +46,30 @@ def test_replicas_fed_the_same_events_find_conversations_as_one_router_does() ->
         simulate(trace, "kv_aware", dataclasses.replace(config(), router_replicas=4))
     ).hit_rate
     assert four == one
+
+
+def test_replicas_announcing_at_once_route_exactly_as_one_router() -> None:
+    trace = conversations(num=30, turns=4, gap_s=0.05, seed=3)
+    one = simulate(trace, "kv_aware", config())
+    four = Simulation(
+        "kv_aware", dataclasses.replace(config(), router_replicas=4, announce_delay_s=0.0)
+    )
+    result = four.run(trace)
+    assert [r.worker_id for r in result.records] == [r.worker_id for r in one.records]
+    assert [r.first_token_s for r in result.records] == [r.first_token_s for r in one.records]
+    for replica in four.replicas:  # every guard released, every peer's load announced back
+        assert set(replica.requests.values()) == {0}
+        assert all(replica.peers.load(w) == (0, 0) for w in replica.requests)
+    silent = simulate(trace, "kv_aware", dataclasses.replace(config(), router_replicas=4))
+    assert [r.worker_id for r in silent.records] != [r.worker_id for r in one.records]
+
+
+def test_a_replica_counts_its_peers_announced_load() -> None:
+    a = RouterReplica(KvAwarePolicy(KvAwareConfig()), ["w0", "w1"], "a", announce=True)
+    b = RouterReplica(KvAwarePolicy(KvAwareConfig()), ["w0", "w1"], "b", announce=True)
+    a.adjust("w1", 1, 300)
+    announcement = a.announcement()
+    assert announcement is not None
+    b.deliver(announcement, 0.0)
+    assert b.snapshot() == [WorkerLoad("w0"), WorkerLoad("w1", 1, 300)]
+    assert b.announcement() is None  # nothing of its own to tell

@@ -14,16 +14,39 @@ def samples(
     url: str, headers: dict[str, str] | None = None
 ) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
     """Every sample at ``url`` (a /metrics endpoint): (name, labels) -> value."""
+    return _fetch(url, headers)[1]
+
+
+def samples_of_every_process(
+    url: str, processes: int, within_s: float = 20.0
+) -> list[dict[tuple[str, frozenset[tuple[str, str]]], float]]:
+    """Each process's samples at a ``--processes N`` router's ``url``: each process counts
+    what it served, so a counter's fleet value is the sum over these. Fetched on fresh
+    connections (which the kernel spreads over the processes) until every one answered."""
+    found: dict[str, dict[tuple[str, frozenset[tuple[str, str]]], float]] = {}
+    deadline = time.monotonic() + within_s
+    while len(found) < processes:
+        assert time.monotonic() < deadline, f"only processes {sorted(found)} answered"
+        process, answer = _fetch(url)
+        found[process or "0"] = answer
+    return list(found.values())
+
+
+def _fetch(
+    url: str, headers: dict[str, str] | None = None
+) -> tuple[str | None, dict[tuple[str, frozenset[tuple[str, str]]], float]]:
+    """The answering router process (None with one) and the samples."""
     request = urllib.request.Request(url, headers=headers or {})
     with urllib.request.urlopen(request, timeout=5.0) as response:
         text = response.read().decode()
+        process = response.headers.get("x-kvserve-router-process")
     found = {}
     for line in text.splitlines():
         match = _SAMPLE.match(line)
         if match:
             name, labels, value = match.groups()
             found[(name, frozenset(_LABEL.findall(labels or "")))] = float(value)
-    return found
+    return process, found
 
 
 def by_label(

@@ -20,7 +20,8 @@ def start_up(cache_dir: Path, *options: str) -> ServerProcess:
         env={"KVSERVE_CACHE_DIR": str(cache_dir)},
     )
     process.wait_healthy(timeout_s=180)
-    deadline = time.monotonic() + 10
+    # The first router may answer before the rest of the fleet (other router replicas) is.
+    deadline = time.monotonic() + 90
     while "kvserve is up" not in process.log_tail():
         assert time.monotonic() < deadline, process.log_tail()
         time.sleep(0.05)

@@ -76,6 +76,15 @@ def register(app: typer.Typer) -> None:
                 "(default: the model a worker serves, when that is a local folder)."
             ),
         ] = None,
+        peers: Annotated[
+            list[str] | None,
+            typer.Option(
+                "--peers",
+                help="Other router replicas of this fleet (repeat the flag, or A,B): this "
+                "router announces its routing to them and applies theirs, so each sees the "
+                "fleet's in-flight load (POST /peers/announcements; GET /peers shows them).",
+            ),
+        ] = None,
         host: str = "127.0.0.1",
         port: int = 8000,
         api_key: Annotated[
@@ -128,6 +137,13 @@ def register(app: typer.Typer) -> None:
             float, typer.Option(help="Seconds per attempt, streaming included.")
         ] = 1800.0,
         max_request_bytes: int = 32 * 1024 * 1024,
+        processes: Annotated[
+            int,
+            typer.Option(
+                help="Router processes serving the port (SO_REUSEPORT), sharing load and "
+                "the policy's predictions: one per core to use (fixed worker set).",
+            ),
+        ] = 1,
         kv_block_size: Annotated[
             int | None,
             _tuning("kv_aware over ZMQ event sources: block size (default: from the events)."),
@@ -223,6 +239,7 @@ def register(app: typer.Typer) -> None:
                 session_header=session_header,
                 tokenizer=tokenizer,
                 seed=seed,
+                peer_urls=_url_list(peers),
                 retry=RetryConfig(
                     max_retries=max_retries,
                     initial_backoff_s=retry_initial_backoff,
@@ -241,6 +258,7 @@ def register(app: typer.Typer) -> None:
                 ),
                 request_timeout_s=request_timeout,
                 max_request_bytes=max_request_bytes,
+                processes=processes,
                 client_limits=limits_from_flags(
                     header_timeout, body_timeout, max_header_bytes, max_connections
                 ),

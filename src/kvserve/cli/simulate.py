@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 from pathlib import Path
@@ -97,6 +98,28 @@ def register(app: typer.Typer) -> None:
                 "its own guards only)."
             ),
         ] = None,
+        announce: Annotated[
+            bool,
+            typer.Option(
+                help="With replicas: each announces its choices and guard changes to the "
+                "others, as `kvserve router --peers` does (--no-announce: each sees its "
+                "own guards, and the load reports if any)."
+            ),
+        ] = True,
+        announce_delay: Annotated[
+            float,
+            typer.Option(
+                help="With replicas: seconds an announcement takes to reach the others "
+                "(default: a loopback HTTP batch's)."
+            ),
+        ] = 0.0005,
+        spread_arrivals: Annotated[
+            bool,
+            typer.Option(
+                help="Spread each group of same-instant arrivals over the gap to the next "
+                "(the Mooncake traces stamp arrivals in 3-second buckets); seeded by --seed."
+            ),
+        ] = False,
         seed: Annotated[
             int, typer.Option(help="Seed of the random and power_of_two policies.")
         ] = 0,
@@ -149,6 +172,7 @@ def register(app: typer.Typer) -> None:
 
         from kvserve.core.cost_model import profile as cost_profile
         from kvserve.core.routing.kv_aware import KvAwareConfig
+        from kvserve.sim.arrival_spread import spread_arrivals as spread
         from kvserve.sim.report import (
             COLUMN_NOTES,
             markdown_table,
@@ -187,8 +211,13 @@ def register(app: typer.Typer) -> None:
                 kv_aware=KvAwareConfig.from_cost_model(cost, **kv_aware_overrides),
                 router_replicas=router_replicas,
                 load_report_interval_s=load_report_interval,
+                announce_delay_s=announce_delay if announce and router_replicas > 1 else None,
             )
             loaded = load_trace(trace, limit=limit, speedup=speedup)
+            if spread_arrivals:
+                loaded = dataclasses.replace(
+                    loaded, requests=spread(loaded.requests, seed), name=loaded.name + " (spread)"
+                )
         except ValueError as error:
             raise typer.BadParameter(str(error)) from error
         setup = (
@@ -196,6 +225,11 @@ def register(app: typer.Typer) -> None:
             f"{workers} workers x {cache_tokens:,} cache tokens, profile {profile}, "
             f"{router_replicas} router replica(s)"
             + (f", load reports every {load_report_interval:g} s" if load_report_interval else "")
+            + (
+                f", announcements after {announce_delay:g} s"
+                if config.announce_delay_s is not None
+                else ""
+            )
         )
         console = Console(stderr=True)
         if find_max_rate and slo_ttft is not None:

@@ -102,6 +102,13 @@ def register(app: typer.Typer) -> None:
         ] = "cache_aware",
         host: Annotated[str, typer.Option(help="Router address.")] = "127.0.0.1",
         port: Annotated[int, typer.Option(help="Router port.")] = 8000,
+        routers: Annotated[
+            int,
+            typer.Option(
+                help="Router replicas, on ports PORT … PORT+R-1 (listed at start), each "
+                "announcing its routing to the others (`kvserve router --peers`)."
+            ),
+        ] = 1,
         start_timeout: Annotated[float, typer.Option(help="Seconds to wait for health.")] = 180,
         prefill: Annotated[int, typer.Option(min=0, help="PD mode: prefill workers.")] = 0,
         decode: Annotated[
@@ -153,14 +160,17 @@ def register(app: typer.Typer) -> None:
         limit_args = client_limit_args(
             limits_from_flags(header_timeout, body_timeout, max_header_bytes, max_connections)
         )
-        taken = port_taken(host, port)
-        if taken is not None:
-            typer.echo(
-                f"cannot serve on {host}:{port} ({taken}): another server holds it; "
-                "choose another with --port N",
-                err=True,
-            )
-            raise typer.Exit(1)
+        if routers < 1:
+            raise typer.BadParameter("at least 1", param_hint="--routers")
+        for router_port in range(port, port + routers):
+            taken = port_taken(host, router_port)
+            if taken is not None:
+                typer.echo(
+                    f"cannot serve on {host}:{router_port} ({taken}): another server holds it; "
+                    "choose another with --port N",
+                    err=True,
+                )
+                raise typer.Exit(1)
         model_dir = model.resolve() if model else tiny_model_dir()
         log_dir = Path(tempfile.mkdtemp(prefix="kvserve-up-"))
         if prefill and not decode:
@@ -190,6 +200,7 @@ def register(app: typer.Typer) -> None:
             + limit_args,
             router_args=limit_args,
             api_key=api_key,
+            routers=routers,
         )
         if decode:
             workers = prefill + decode
@@ -208,7 +219,8 @@ def register(app: typer.Typer) -> None:
                 typer.echo(fleet.started_line(process))
             typer.echo(
                 f"\nkvserve is up: {fleet.url}/v1  ({workers} workers, policy {policy})\n"
-                f"dashboard: {fleet.url}/dashboard\n"
+                + _replicas_line(fleet.router_urls)
+                + f"dashboard: {fleet.url}/dashboard\n"
                 f"try:\n  curl {fleet.url}/v1/chat/completions -H 'Content-Type: application/json'"
                 f"{_auth_header(api_key)}"
                 f' -d \'{{"model": "{model_dir.name}", "messages": [{{"role": "user",'
@@ -230,3 +242,11 @@ def register(app: typer.Typer) -> None:
         finally:
             fleet.stop()
         typer.echo("stopped.")
+
+
+def _replicas_line(urls: list[str]) -> str:
+    """With replicas, where each one serves (clients spread requests over them)."""
+    if len(urls) == 1:
+        return ""
+    listed = "  ".join(f"{url}/v1" for url in urls)
+    return f"router replicas (peers of each other; spread requests over them): {listed}\n"

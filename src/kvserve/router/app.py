@@ -14,8 +14,11 @@ import aiohttp
 import orjson
 from aiohttp import web
 
+from kvserve.core.routing.announcements import PeerView
+from kvserve.core.routing.announcing_policy import AnnouncingPolicy
 from kvserve.core.routing.kv_index import TIERS
 from kvserve.core.routing.policies.kv_aware import KvAwarePolicy
+from kvserve.core.routing.policy import Policy
 from kvserve.core.routing.types import WorkerLoad
 from kvserve.router.access import bearer_matches, control_plane_refusal, unauthorized
 from kvserve.router.client_guard import client_limits_middleware, serve
@@ -30,8 +33,12 @@ from kvserve.router.kv_event_subscriber import KVEventSubscriber
 from kvserve.router.load_guard import LoadTracker
 from kvserve.router.metrics import RouterMetrics
 from kvserve.router.pd_proxy import PDProxy
+from kvserve.router.peers import ANNOUNCEMENTS_PATH, STREAM_PATH, PeerLink
+from kvserve.router.process_group import ProcessMember, run_process_group
 from kvserve.router.prompt_preparer import PromptPreparer
-from kvserve.router.proxy import Proxy
+from kvserve.router.proxy import ROUTER_PROCESS_HEADER, Proxy
+from kvserve.router.shared_loads import SharedLoadTracker
+from kvserve.router.sibling_links import SiblingAnnouncements
 from kvserve.router.worker_registry import Worker, WorkerRegistry
 
 log = logging.getLogger(__name__)
@@ -46,23 +53,59 @@ def _json(payload: object, status: int = 200) -> web.Response:
 class Router:
     """Everything one router process holds; handlers are its methods."""
 
-    def __init__(self, config: RouterConfig) -> None:
+    def __init__(self, config: RouterConfig, member: ProcessMember | None = None) -> None:
         self.config = config
+        self.member = member  # None: the only process
         self.metrics = RouterMetrics()
-        self.tracker = LoadTracker(on_change=self._load_changed)
+        self._admin_key = config.admin_api_key or config.api_key
         self.registry = WorkerRegistry(config.circuit_breaker)
-        self.metrics.show_loads(self._loads_to_show)
         for url, source in zip(config.worker_urls, config.kv_event_sources(), strict=True):
             self.registry.add(url, kv_events=source)
         for pool, urls in (("prefill", config.prefill_urls), ("decode", config.decode_urls)):
             for url in urls:
                 self.registry.add(url, pool)
+        self.tracker: LoadTracker
+        if member is None:
+            self.tracker = LoadTracker(on_change=self._load_changed)
+        else:  # the fleet is fixed: worker i keeps slot i of the shared table
+            slots = {w.worker_id: i for i, w in enumerate(self.registry.all())}
+            self.tracker = SharedLoadTracker(
+                member.table, member.index, slots, on_change=self._load_changed
+            )
+        self.metrics.show_loads(self._loads_to_show)
         self.policy = config.make_policy(time.monotonic())
+        # With peers or sibling processes (replicas on this port), the proxy's policy
+        # announces each choice; the rest reads self.policy. (Not both: config refuses.)
+        self.peers: PeerLink | None = None
+        self.siblings: SiblingAnnouncements | None = None
+        self._routing_policy: Policy = self.policy
+        if config.peer_urls:
+            self.peers = PeerLink(
+                config.peer_urls,
+                PeerView(self.policy.observe_peer_choice, self._peer_load_changed),
+                self._peer_headers(),
+                worker_url=lambda worker_id: getattr(self.registry.get(worker_id), "url", None),
+                worker_id=self.registry.id_of,
+            )
+            self.tracker.peer_load = self.peers.view.load
+            self._routing_policy = AnnouncingPolicy(self.policy, self.peers.announcer)
+        if member is not None and member.count > 1:
+            # No announced load is added: the shared table sums the siblings' guards.
+            self.siblings = SiblingAnnouncements(
+                member.links,
+                member.index,
+                PeerView(self.policy.observe_peer_choice, self._sibling_load_changed),
+            )
+            self._routing_policy = AnnouncingPolicy(self.policy, self.siblings.announcer)
+        # Only kv_aware keeps workers ordered by load: the others read the table itself.
+        self._siblings_follow_loads = self.siblings is not None and isinstance(
+            self.policy, KvAwarePolicy
+        )
+        self._process_headers = {} if member is None else {ROUTER_PROCESS_HEADER: str(member.index)}
         self.preparer = (
             PromptPreparer(config.tokenizer) if self.policy.reads_prompt_blocks else None
         )
         self.subscriber: KVEventSubscriber | None = None
-        self._admin_key = config.admin_api_key or config.api_key
         self._session: aiohttp.ClientSession | None = None
         self._proxy: Proxy | None = None
         self._health: HealthChecker | None = None
@@ -74,13 +117,20 @@ class Router:
         # The fleet's key goes on every request to a worker: proxied, health, load, KV
         # events, the dashboard's /metrics scrape.
         headers = self.config.worker_headers()
+        if self.siblings is not None:
+            await self.siblings.start()
         async with aiohttp.ClientSession(connector=connector, headers=headers) as session:
             self._session = session
-            proxy_args = (self.config, self.registry, self.tracker, self.policy, self.metrics)
-            if self.config.pd_mode:
-                self._proxy = PDProxy(*proxy_args, session, preparer=self.preparer)
-            else:
-                self._proxy = Proxy(*proxy_args, session, preparer=self.preparer)
+            proxy_args = (
+                self.config,
+                self.registry,
+                self.tracker,
+                self._routing_policy,
+                self.metrics,
+            )
+            process = None if self.member is None else self.member.index
+            proxy_type = PDProxy if self.config.pd_mode else Proxy
+            self._proxy = proxy_type(*proxy_args, session, preparer=self.preparer, process=process)
             self._health = HealthChecker(self.registry, self.config.health, self.metrics, session)
             await self._health.probe_all()
             self._sampler = FleetSampler(self.registry, self.metrics, session)
@@ -95,10 +145,14 @@ class Router:
                     block_size=self.config.kv_block_size,
                 )
                 tasks.append(asyncio.create_task(self.subscriber.run_forever()))
+            if self.peers is not None:
+                tasks.append(asyncio.create_task(self.peers.run_forever(session)))
             if isinstance(self._proxy, PDProxy):  # decode headroom for the pair choice
                 tasks.append(asyncio.create_task(self._proxy.poll_decode_loads_forever()))
             yield
             self._proxy.upstream.close()
+            if self.member is not None:
+                self.member.links.close()
             for task in tasks:
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
@@ -108,11 +162,38 @@ class Router:
         """Every registered worker's held load, and that of removed ones still held."""
         ids = dict.fromkeys([w.worker_id for w in self.registry.all()])
         ids.update(dict.fromkeys(self.tracker.held_worker_ids()))
-        return [self.tracker.load(worker_id) for worker_id in ids]
+        return [self.tracker.own_load(worker_id) for worker_id in ids]
 
     def _load_changed(self, load: WorkerLoad) -> None:
-        """Guards changed: the policy reorders its workers (the gauges read the tracker)."""
-        self.policy.observe_load(load)
+        """Guards changed: the policy reorders its workers (the gauges read the tracker),
+        and the peers are told; so are the siblings where their policy orders workers by
+        load (kv_aware), as the notice to re-read the table (``_sibling_load_changed``)."""
+        tracker, siblings = self.tracker, self.siblings
+        follow = self._siblings_follow_loads
+        if follow and siblings is not None and isinstance(tracker, SharedLoadTracker):
+            requests, tokens = tracker.process_load(load.worker_id)
+            siblings.announcer.load(load.worker_id, requests, tokens)
+        if self.peers is None:
+            self.policy.observe_load(load)
+            return
+        self.peers.announcer.load(
+            load.worker_id, load.in_flight_requests, load.in_flight_prefill_tokens
+        )
+        self.policy.observe_load(self.tracker.load(load.worker_id))
+
+    def _sibling_load_changed(self, worker_id: str) -> None:
+        """A sibling process's guards on ``worker_id`` changed: the policy re-reads the
+        total from the shared table (exact; the sibling's announced values are not used)."""
+        self.policy.observe_load(self.tracker.load(worker_id))
+
+    def _peer_load_changed(self, worker_id: str) -> None:
+        """A peer's guards changed: the policy sees the sum."""
+        self.policy.observe_load(self.tracker.load(worker_id))
+
+    def _peer_headers(self) -> dict[str, str]:
+        """Peers run with this router's settings: its control-plane key is theirs."""
+        key = self._admin_key
+        return {} if key is None else {"Authorization": f"Bearer {key}"}
 
     def build_app(self) -> web.Application:
         app = web.Application(
@@ -130,6 +211,9 @@ class Router:
                 web.get("/workers", self._control_plane(self.list_workers)),
                 web.post("/workers", self._control_plane(self.add_worker)),
                 web.delete("/workers/{worker_id}", self._control_plane(self.remove_worker)),
+                web.get("/peers", self._control_plane(self.list_peers)),
+                web.post(ANNOUNCEMENTS_PATH, self._control_plane(self.peer_announcements)),
+                web.get(STREAM_PATH, self._control_plane(self.peer_stream)),
                 *DashboardRoutes(self.dashboard_data).routes(self._control_plane),
             ]
         )
@@ -184,7 +268,9 @@ class Router:
                 for tier in TIERS:
                     blocks = index.num_blocks(worker.worker_id, tier)
                     self.metrics.kv_index_blocks.labels(worker.worker_id, tier).set(blocks)
-        return web.Response(body=self.metrics.render(), content_type="text/plain")
+        return web.Response(
+            body=self.metrics.render(), content_type="text/plain", headers=self._process_headers
+        )
 
     def dashboard_data(self) -> dict[str, object]:
         assert self._sampler is not None
@@ -192,13 +278,56 @@ class Router:
             self.registry, self.tracker, self.metrics, self._sampler, self.config.policy
         )
 
+    async def list_peers(self, _request: web.Request) -> web.Response:
+        """This replica's peers and what it heard from them (404 without --peers)."""
+        if self.peers is None:
+            return _no_peers()
+        return _json(self.peers.describe())
+
+    async def peer_announcements(self, request: web.Request) -> web.Response:
+        """A peer replica's announcements (router/peers.py), applied before answering."""
+        if self.peers is None:
+            return _no_peers()
+        try:
+            applied = self.peers.receive(await request.read())
+        except ValueError as error:
+            return openai_error(
+                400, str(error), error_type="invalid_request_error", code="bad_announcement"
+            )
+        return _json({"applied": applied})
+
+    async def peer_stream(self, request: web.Request) -> web.StreamResponse:
+        """A peer replica's stream of announcements (router/peers.py): each message is
+        applied as it comes; a malformed one closes the stream (the peer reconnects and
+        starts over with a full announcement)."""
+        if self.peers is None:
+            return _no_peers()
+        stream = web.WebSocketResponse(max_msg_size=self.config.max_request_bytes)
+        await stream.prepare(request)
+        async for message in stream:
+            if message.type not in (aiohttp.WSMsgType.BINARY, aiohttp.WSMsgType.TEXT):
+                break
+            data = message.data if isinstance(message.data, bytes) else message.data.encode()
+            try:
+                self.peers.receive(data)
+            except ValueError as error:
+                log.warning("a peer sent a malformed announcement (%s): stream closed", error)
+                await stream.close(code=aiohttp.WSCloseCode.UNSUPPORTED_DATA)
+        return stream
+
     def _describe(self, worker: Worker) -> dict[str, object]:
-        load = self.tracker.load(worker.worker_id)
+        load = self.tracker.own_load(worker.worker_id)
         described: dict[str, object] = {
             **worker.describe(),
             "in_flight_requests": load.in_flight_requests,
             "in_flight_prefill_tokens": load.in_flight_prefill_tokens,
         }
+        if self.peers is not None:  # what the other replicas announced they hold there
+            peer_requests, peer_tokens = self.peers.view.load(worker.worker_id)
+            described["peers_in_flight_requests"] = peer_requests
+            described["peers_in_flight_prefill_tokens"] = peer_tokens
+        if isinstance(self.tracker, SharedLoadTracker):  # whose requests the total sums
+            described["in_flight_requests_by_process"] = self.tracker.by_process(worker.worker_id)
         follower = self.subscriber.zmq_followers.get(worker.worker_id) if self.subscriber else None
         if follower is not None:  # how its ZMQ stream has gone: gaps, replays, index drops
             described["kv_events_stream"] = {
@@ -213,8 +342,23 @@ class Router:
     async def list_workers(self, _request: web.Request) -> web.Response:
         return _json({"workers": [self._describe(w) for w in self.registry.all()]})
 
+    def _fixed_fleet(self) -> web.Response | None:
+        """With several processes the worker set is fixed: each process would need the same
+        change at once, under the same worker id and shared-load slot."""
+        if self.member is None:
+            return None
+        return openai_error(
+            409,
+            f"the router runs {self.member.count} processes (--processes), whose worker set is"
+            " fixed: restart it with the new --worker-urls, or run it with --processes 1",
+            error_type="invalid_request_error",
+            code="fixed_fleet",
+        )
+
     async def add_worker(self, request: web.Request) -> web.Response:
         """Register a worker and check it once, so the answer says whether it takes traffic."""
+        if (refusal := self._fixed_fleet()) is not None:
+            return refusal
         try:
             body = orjson.loads(await request.read())
             url, pool = str(body["url"]), str(body.get("pool", "regular"))
@@ -241,6 +385,8 @@ class Router:
 
     async def remove_worker(self, request: web.Request) -> web.Response:
         """Stop routing to a worker; its in-flight requests finish and release their load."""
+        if (refusal := self._fixed_fleet()) is not None:
+            return refusal
         try:
             worker = self.registry.remove(request.match_info["worker_id"])
         except KeyError:
@@ -259,6 +405,12 @@ class Router:
                 self.metrics.kv_index_blocks.remove(worker.worker_id, tier)
         log.info("removed worker %s at %s", worker.worker_id, worker.url)
         return _json(worker.describe())
+
+
+def _no_peers() -> web.Response:
+    return openai_error(
+        404, "this router has no --peers", error_type="invalid_request_error", code="no_peers"
+    )
 
 
 def _fast_event_loop() -> asyncio.AbstractEventLoop | None:
@@ -283,11 +435,28 @@ def _collect_garbage_less_often() -> None:
 
 
 def run_router(config: RouterConfig) -> None:
-    """Serve until interrupted. A client disconnect cancels its handler, which releases
-    everything the request holds (see :mod:`kvserve.router.proxy`)."""
+    """Serve until interrupted: in this process, or in ``config.processes`` children (see
+    :mod:`kvserve.router.process_group`). A client disconnect cancels its handler, which
+    releases everything the request holds (see :mod:`kvserve.router.proxy`)."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    if config.processes == 1:
+        _serve(config, None)
+        return
+    status = run_process_group(config, lambda member: _serve(config, member))
+    if status:
+        raise SystemExit(status)
+
+
+def _serve(config: RouterConfig, member: ProcessMember | None) -> None:
+    if member is not None:  # whose line it is, in the group's one log
+        prefix = f"%(asctime)s %(levelname)s [router {member.index}] %(message)s"
+        for handler in logging.getLogger().handlers:
+            handler.setFormatter(logging.Formatter(prefix))
     _collect_garbage_less_often()
     loop = _fast_event_loop() or asyncio.new_event_loop()
     asyncio.set_event_loop(loop)
-    app = Router(config).build_app()
-    loop.run_until_complete(serve(app, config.host, config.port, config.client_limits))
+    app = Router(config, member).build_app()
+    reuse_port = member is not None
+    loop.run_until_complete(
+        serve(app, config.host, config.port, config.client_limits, reuse_port=reuse_port)
+    )

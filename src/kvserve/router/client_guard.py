@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import signal
 from typing import Any, cast
 
@@ -130,9 +131,12 @@ def _headers_too_large(limits: ClientLimits) -> web.Response:
     )
 
 
-async def serve(app: web.Application, host: str, port: int, limits: ClientLimits) -> None:
+async def serve(
+    app: web.Application, host: str, port: int, limits: ClientLimits, *, reuse_port: bool = False
+) -> None:
     """Serve ``app`` until SIGINT or SIGTERM, then shut down gracefully (aiohttp's
-    ``run_app``, with :class:`GuardedRequestHandler` for each connection)."""
+    ``run_app``, with :class:`GuardedRequestHandler` for each connection). ``reuse_port``:
+    several processes bind ``port`` and the kernel spreads connections over them."""
     settings = handler_settings(limits)
     runner = web.AppRunner(app, handler_cancellation=True)
     await runner.setup()
@@ -146,8 +150,10 @@ async def serve(app: web.Application, host: str, port: int, limits: ClientLimits
     stop = asyncio.Event()
     for signum in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(signum, stop.set)
-    listener = await loop.create_server(connection, host, port, reuse_address=True)
-    log.info("kvserve router on http://%s:%d", host, port)
+    listener = await loop.create_server(
+        connection, host, port, reuse_address=True, reuse_port=reuse_port or None
+    )
+    log.info("kvserve router on http://%s:%d (pid %d)", host, port, os.getpid())
     try:
         await stop.wait()
     finally:

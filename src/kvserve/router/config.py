@@ -75,6 +75,10 @@ class RouterConfig:
     client_limits: ClientLimits = field(default_factory=ClientLimits)  # slow or greedy clients
     chars_per_token: float = 4.0  # prefill estimate without a tokenizer
     seed: int | None = None  # for the random policies; None: seeded from the OS
+    # Other router replicas of this fleet: announce routing to them, apply theirs
+    # (router/peers.py)
+    peer_urls: tuple[str, ...] = ()
+    processes: int = 1  # router processes on the port (router/process_group.py)
 
     def __post_init__(self) -> None:
         if self.policy not in POLICY_NAMES:
@@ -91,6 +95,22 @@ class RouterConfig:
         self.kv_event_sources()  # raises ValueError on a malformed one
         if self.kv_block_size is not None and self.kv_block_size <= 0:
             raise ValueError("--kv-block-size must be positive")
+        for url in self.peer_urls:
+            if not url.startswith(("http://", "https://")):
+                raise ValueError(f"--peers takes router URLs (http://host:port), got {url!r}")
+        self._check_processes()
+
+    def _check_processes(self) -> None:
+        """``--processes N`` needs a port every process can bind."""
+        if self.processes < 1:
+            raise ValueError("--processes must be at least 1")
+        if self.processes > 1 and self.port == 0:
+            raise ValueError("--processes > 1 needs a fixed --port (each process binds it)")
+        if self.processes > 1 and self.peer_urls:
+            raise ValueError(
+                "--processes > 1 and --peers cannot be combined yet: run one process per "
+                "replica (kvserve up --routers R), or several processes without --peers"
+            )
 
     def kv_event_sources(self) -> tuple[KVEventSource, ...]:
         """Each worker URL's event source, by position."""

@@ -7,6 +7,10 @@ prefill part is released when the first token arrives (prefill is over); the who
 is released exactly once, whatever ends the attempt: success, an upstream error, a client
 disconnect, a timeout, a retry elsewhere, or the worker's removal. Releases are idempotent
 so that every exit path can release without counting twice.
+
+With router replicas (``--peers``), what the peers announced they hold is added to each
+worker's load (``peer_load``): the policy then sees the fleet's in-flight requests as one
+router would. The listener and :meth:`LoadTracker.total_held` see this router's own guards.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from typing import Protocol
 from kvserve.core.routing.types import WorkerLoad
 
 LoadListener = Callable[[WorkerLoad], None]
+PeerLoad = Callable[[str], tuple[int, int]]  # worker -> the peers' (requests, prefill tokens)
 
 
 class LoadTracker:
@@ -32,16 +37,34 @@ class LoadTracker:
     _IDLE_CACHE = 65_536  # idle loads kept; past it the cache starts over (ids of removed
     # workers are never reused, so it must not grow with churn)
 
-    def __init__(self, on_change: LoadListener | None = None) -> None:
+    def __init__(
+        self, on_change: LoadListener | None = None, peer_load: PeerLoad | None = None
+    ) -> None:
         self._held: dict[str, WorkerLoad] = {}
         self._idle: dict[str, WorkerLoad] = {}
         self._on_change = on_change
+        self.peer_load = peer_load
 
     def acquire(self, worker_id: str, prefill_tokens: int) -> LoadGuard:
         self._adjust(worker_id, 1, prefill_tokens)
         return LoadGuard(self, worker_id, prefill_tokens)
 
     def load(self, worker_id: str) -> WorkerLoad:
+        """This router's guards on ``worker_id``, plus what its peers announced."""
+        own = self.own_load(worker_id)
+        if self.peer_load is None:
+            return own
+        peer_requests, peer_tokens = self.peer_load(worker_id)
+        if not peer_requests and not peer_tokens:
+            return own
+        return WorkerLoad(
+            worker_id,
+            own.in_flight_requests + peer_requests,
+            own.in_flight_prefill_tokens + peer_tokens,
+        )
+
+    def own_load(self, worker_id: str) -> WorkerLoad:
+        """This router's own guards on ``worker_id``."""
         load = self._held.get(worker_id) or self._idle.get(worker_id)
         if load is None:
             if len(self._idle) >= self._IDLE_CACHE:

@@ -195,7 +195,10 @@ class LocalFleet:
     """Workers and a router on this machine, started in order and stopped in reverse.
 
     Workers share the CPU, so each gets ``cpus / workers`` threads unless the caller's
-    environment sets ``OMP_NUM_THREADS``.
+    environment sets ``OMP_NUM_THREADS``. With ``routers`` R > 1, R router replicas serve
+    on ports ``port`` … ``port + R - 1``, each with the others as ``--peers``; clients
+    spread their requests over the listed URLs (no shared port: a peer must be reachable
+    at its own address).
     """
 
     def __init__(
@@ -212,7 +215,10 @@ class LocalFleet:
         worker_args: Sequence[str] = (),
         router_args: Sequence[str] = (),
         api_key: str | None = None,
+        routers: int = 1,
     ) -> None:
+        if routers < 1:
+            raise ValueError("a fleet needs at least one router")
         if prefill and not decode:
             raise ValueError("prefill workers need decode workers")
         # PD mode (decode > 0): prefill and decode workers instead of mixed ones.
@@ -227,12 +233,18 @@ class LocalFleet:
         self._api_key = api_key  # one key for the router's clients, the router and the workers
         self._host = host
         self._port = port
+        self._routers = routers
         self.log_dir = log_dir
         self.processes: list[ServerProcess] = []  # replaced in place when restarted
 
     @property
     def url(self) -> str:
         return f"http://{self._host}:{self._port}"
+
+    @property
+    def router_urls(self) -> list[str]:
+        """Every router replica's URL, ``url`` first."""
+        return [f"http://{self._host}:{self._port + i}" for i in range(self._routers)]
 
     def start(self, timeout_s: float = 180.0) -> None:
         """Start every worker, wait until all are healthy, then the router; all or nothing."""
@@ -251,14 +263,21 @@ class LocalFleet:
             for worker in workers:
                 worker.wait_healthy(timeout_s)
             args = [*KVSERVE_COMMAND, "router", "--policy", self._policy, "--host", self._host]
-            args += ["--port", str(self._port), *_LOCAL_HEALTH_CHECKS, *self._router_args]
+            args += [*_LOCAL_HEALTH_CHECKS, *self._router_args]
             if self._api_key is not None:
                 args += ["--api-key", self._api_key, "--worker-api-key", self._api_key]
             if self._policy == "kv_aware":  # workers serve a model name, not the folder
                 args += ["--tokenizer", str(self._model_dir)]
             for worker, role in zip(workers, self._roles, strict=True):
                 args += ["--worker-urls" if role == "mixed" else f"--{role}", worker.url]
-            self._spawn("router", args, self.url, env).wait_healthy(timeout_s)
+            urls = self.router_urls
+            routers = []
+            for index, url in enumerate(urls):
+                own = [*args, "--port", str(self._port + index)]
+                own += [arg for peer in urls if peer != url for arg in ("--peers", peer)]
+                routers.append(self._spawn(_router_name(index), own, url, env))
+            for router in routers:
+                router.wait_healthy(timeout_s)
         except BaseException:
             self.stop()
             raise
@@ -276,12 +295,14 @@ class LocalFleet:
         each exit, restart and crash loop is reported. Interrupt it (Ctrl-C, SIGTERM) to
         stop; then call :meth:`stop`.
         """
-        backoffs = {p.name: RestartBackoff(policy) for p in self.processes if p.name != "router"}
+        backoffs = {
+            p.name: RestartBackoff(policy) for p in self.processes if not _is_router(p.name)
+        }
         due: dict[str, tuple[float, ServerProcess]] = {}  # dead workers and when to restart
         while True:
             now = time.monotonic()
             for index, process in enumerate(self.processes):
-                if process.name == "router":
+                if _is_router(process.name):
                     if not process.alive():
                         return process
                     continue
@@ -303,11 +324,11 @@ class LocalFleet:
         return f"{process.name} started (pid {process.process.pid}) on {process.url}"
 
     def stop(self, timeout_s: float = 15.0) -> None:
-        """The router first (no new requests), then all workers at once."""
-        router = [p for p in self.processes if p.name == "router"]
-        for process in router:
+        """The routers first (no new requests), then all workers at once."""
+        routers = [p for p in self.processes if _is_router(p.name)]
+        for process in routers:
             process.stop(timeout_s)
-        workers = [p for p in self.processes if p.name != "router"]
+        workers = [p for p in self.processes if not _is_router(p.name)]
         for process in workers:
             process.terminate()
         for process in workers:
@@ -319,6 +340,14 @@ class LocalFleet:
         )
         self.processes.append(process)
         return process
+
+
+def _router_name(index: int) -> str:
+    return "router" if index == 0 else f"router{index}"
+
+
+def _is_router(name: str) -> bool:
+    return name.startswith("router")
 
 
 def _exit_report(process: ServerProcess, plan: RestartPlan) -> str:

@@ -93,8 +93,11 @@ class PDProxy(Proxy):
         session: aiohttp.ClientSession,
         clock: Callable[[], float] = time.monotonic,
         preparer: PromptPreparer | None = None,
+        process: int | None = None,
     ) -> None:
-        super().__init__(config, registry, tracker, policy, metrics, session, clock, preparer)
+        super().__init__(
+            config, registry, tracker, policy, metrics, session, clock, preparer, process
+        )
         self._free_fraction: dict[str, float] = {}  # decode worker -> free/total blocks
 
     # -- selection -------------------------------------------------------------------

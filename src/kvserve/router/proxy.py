@@ -39,6 +39,8 @@ _FORWARDED_REQUEST_HEADERS = ("Accept", "X-Request-Id")
 # Asks a worker to send a non-streamed answer's headers with its first token, and marks
 # the answers that were (see ``kvserve.worker.generation``): prefill is over then.
 FIRST_TOKEN_HEADER = "x-kvserve-first-token"
+# Which of the router's processes answered (``--processes N`` > 1 only).
+ROUTER_PROCESS_HEADER = "x-kvserve-router-process"
 
 # Policies whose matched fraction is read from the workers' own KV events: what they
 # predict cached is left out of the prefill work a guard holds. The approximate policies'
@@ -76,8 +78,11 @@ class Proxy:
         session: aiohttp.ClientSession,
         clock: Callable[[], float] = time.monotonic,
         preparer: PromptPreparer | None = None,
+        process: int | None = None,
     ) -> None:
         self._config = config
+        # With --processes N, answers name the process that routed them (None: one).
+        self._process = None if process is None else str(process)
         self._registry = registry
         self._tracker = tracker
         self._policy = policy
@@ -155,6 +160,8 @@ class Proxy:
                 "x-kvserve-decision": decision.header_value(),
             },
         )
+        if self._process is not None:
+            attempt.headers[ROUTER_PROCESS_HEADER] = self._process
         url, headers = self._upstream(request, worker, decision)
         try:
             async with (

@@ -92,25 +92,33 @@ class WorkerRegistry:
     def __init__(self, breaker_config: CircuitBreakerConfig) -> None:
         self._breaker_config = breaker_config
         self._workers: dict[str, Worker] = {}
+        self._ids_by_url: dict[str, str] = {}
         self._next_index = 0
 
     def add(self, url: str, pool: str = "regular", kv_events: KVEventSource = None) -> Worker:
         url = url.rstrip("/")
         if not url.startswith(("http://", "https://")):
             raise ValueError(f"worker URL must start with http:// or https://: {url!r}")
-        if any(w.url == url for w in self._workers.values()):
+        if url in self._ids_by_url:
             raise ValueError(f"worker {url} is already registered")
         breaker = CircuitBreaker(self._breaker_config)
         worker = Worker(f"w{self._next_index}", url, breaker, pool, kv_events)
         self._next_index += 1
         self._workers[worker.worker_id] = worker
+        self._ids_by_url[url] = worker.worker_id
         return worker
 
     def remove(self, worker_id: str) -> Worker:
-        return self._workers.pop(worker_id)
+        worker = self._workers.pop(worker_id)
+        del self._ids_by_url[worker.url]
+        return worker
 
     def get(self, worker_id: str) -> Worker | None:
         return self._workers.get(worker_id)
+
+    def id_of(self, url: str) -> str | None:
+        """The id of the worker registered at ``url``, if any."""
+        return self._ids_by_url.get(url.rstrip("/"))
 
     def all(self) -> list[Worker]:
         return list(self._workers.values())

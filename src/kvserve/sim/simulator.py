@@ -18,6 +18,8 @@ fraction of blocks), ``blocks`` the engine's own hashes of its tokens (for
 
 With ``router_replicas`` R > 1, requests go to R router replicas in turn, each with its
 own policy object and guards, all fed every worker's events (:mod:`kvserve.sim.replicas`).
+With ``announce_delay_s`` set, each replica announces its choices and guard changes to
+the others, delivered that many seconds later (before any arrival at the same instant).
 
 ``global`` is the reference ceiling: N schedulers (N GPUs) over one shared cache of N×T
 tokens, so every request finds every prefix ever computed and still in that cache; with
@@ -35,6 +37,7 @@ from kvserve.core.cost_model import CostModel
 from kvserve.core.hashing import make_namespace
 from kvserve.core.kv_cache_manager import KVCacheManager
 from kvserve.core.request import Request
+from kvserve.core.routing.announcements import Announcement
 from kvserve.core.routing.cache_aware import CacheAwareConfig
 from kvserve.core.routing.kv_aware import KvAwareConfig
 from kvserve.core.routing.policies import POLICY_NAMES, make_policy
@@ -67,6 +70,8 @@ class SimConfig:
     # None: a replica sees its own guards only; 0: every worker reports before each
     # decision (replicas that announce every choice to each other at once)
     load_report_interval_s: float | None = None
+    # None: replicas announce nothing; else their announcements arrive after this delay
+    announce_delay_s: float | None = None
 
     def __post_init__(self) -> None:
         if self.num_workers < 1:
@@ -75,6 +80,8 @@ class SimConfig:
             raise ValueError("router_replicas must be >= 1")
         if self.load_report_interval_s is not None and self.load_report_interval_s < 0:
             raise ValueError("load_report_interval_s must be >= 0 (0: before every decision)")
+        if self.announce_delay_s is not None and self.announce_delay_s < 0:
+            raise ValueError("announce_delay_s must be >= 0")
         if self.cache_tokens < BLOCK_TOKENS:
             raise ValueError(f"cache_tokens must hold at least one {BLOCK_TOKENS}-token block")
 
@@ -138,9 +145,10 @@ class Simulation:
         self.policy_name = policy_name
         self.config = config
         ids = [f"w{i}" for i in range(config.num_workers)]
+        announce = config.announce_delay_s is not None and config.router_replicas > 1
         self.replicas = [
-            RouterReplica(build_policy(policy_name, config), ids)
-            for _ in range(config.router_replicas)
+            RouterReplica(build_policy(policy_name, config), ids, f"r{i}", announce)
+            for i in range(config.router_replicas)
         ]
         scheduler_config = SchedulerConfig(config.max_num_batched_tokens, config.max_num_seqs)
         if policy_name == GLOBAL:
@@ -156,6 +164,8 @@ class Simulation:
         self._routed = 0
         self._next_report = 0.0
         self._steps: list[tuple[float, int, str]] = []  # (end time, order, worker)
+        # (arrival time, order, sender, announcement) of announcements under way
+        self._deliveries: list[tuple[float, int, int, Announcement]] = []
         self._order = 0
         self._arrivals: dict[str, float] = {}
         self._first_tokens: dict[str, float] = {}
@@ -167,9 +177,14 @@ class Simulation:
     ) -> SimResult:
         started = time.perf_counter()
         next_arrival = 0
-        while next_arrival < len(trace) or self._steps:
+        while next_arrival < len(trace) or self._steps or self._deliveries:
             arrival_time = trace[next_arrival].arrival_s if next_arrival < len(trace) else None
-            if self._steps and (arrival_time is None or self._steps[0][0] <= arrival_time):
+            step_time = self._steps[0][0] if self._steps else None
+            if self._deliveries and all(
+                t is None or self._deliveries[0][0] <= t for t in (arrival_time, step_time)
+            ):
+                self._deliver(*heapq.heappop(self._deliveries))
+            elif self._steps and (arrival_time is None or self._steps[0][0] <= arrival_time):
                 now, _, worker_id = heapq.heappop(self._steps)
                 self._end_step(self.workers[worker_id], now, trace, next_arrival)
             else:
@@ -207,14 +222,32 @@ class Simulation:
         replica = self.replicas[self._routed % len(self.replicas)]
         self._routed += 1
         query = route_query(spec, request, replica.policy.reads_prompt_blocks)
-        worker_id = replica.policy.select(query, replica.snapshot(), now).worker_id
+        worker_id = replica.select(query, now).worker_id
         replica.adjust(worker_id, 1, request.num_prompt_tokens)
+        self._announce(replica, now)
         self._arrivals[spec.request_id] = now
         self._served_by[spec.request_id] = (worker_id, replica)
         worker = self.workers[worker_id]
         worker.add(request)
         if worker.busy_until is None:
             self._start(worker, now, self._horizon(trace, next_arrival))
+
+    def _announce(self, replica: RouterReplica, now: float) -> None:
+        """Send what ``replica`` has to announce to every other replica."""
+        announcement = replica.announcement()
+        if announcement is None:
+            return
+        assert self.config.announce_delay_s is not None
+        at = now + self.config.announce_delay_s
+        heapq.heappush(
+            self._deliveries, (at, self._order, self.replicas.index(replica), announcement)
+        )
+        self._order += 1
+
+    def _deliver(self, now: float, _order: int, sender: int, announcement: Announcement) -> None:
+        for i, replica in enumerate(self.replicas):
+            if i != sender:
+                replica.deliver(announcement, now)
 
     def _report_loads(self, now: float) -> None:
         """Each worker reports what all replicas have in flight on it, every interval."""
@@ -238,13 +271,17 @@ class Simulation:
         self, worker: SimWorker, now: float, trace: Sequence[TraceRequest], next_arrival: int
     ) -> None:
         result = worker.finish_step()
+        touched: dict[int, RouterReplica] = {}
         for request in result.first_tokens:
             self._first_tokens[request.request_id] = now
-            self._served_by[request.request_id][1].adjust(
-                worker.worker_id, 0, -request.num_prompt_tokens
-            )
+            replica = self._served_by[request.request_id][1]
+            replica.adjust(worker.worker_id, 0, -request.num_prompt_tokens)
+            touched[id(replica)] = replica
         for request in result.finished:
-            self._record(request, now)
+            replica = self._record(request, now)
+            touched[id(replica)] = replica
+        for replica in touched.values():
+            self._announce(replica, now)
         if not self._shared_cache:
             events = worker.new_events()
             for replica in self.replicas:
@@ -256,7 +293,8 @@ class Simulation:
             if candidate.busy_until is None and candidate.has_work:
                 self._start(candidate, now, horizon)
 
-    def _record(self, request: Request, now: float) -> None:
+    def _record(self, request: Request, now: float) -> RouterReplica:
+        """Record a finished request; returns the replica that routed it."""
         request_id = request.request_id
         worker_id, replica = self._served_by.pop(request_id)
         first = self._first_tokens.pop(request_id, None)
@@ -274,6 +312,7 @@ class Simulation:
                 output_tokens=request.num_output_tokens,
             )
         )
+        return replica
 
 
 def simulate(

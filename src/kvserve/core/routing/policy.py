@@ -15,6 +15,7 @@ from collections.abc import Iterable, Sequence
 from typing import ClassVar
 
 from kvserve.core.kv_events import KVEvent
+from kvserve.core.routing.announcements import ChoiceNote
 from kvserve.core.routing.pd_pair import (
     DECODE_POOL,
     PREFILL_POOL,
@@ -26,6 +27,7 @@ from kvserve.core.routing.types import (
     PairDecision,
     RouteQuery,
     RoutingDecision,
+    TakeBack,
     WorkerLoad,
     all_of,
 )
@@ -43,6 +45,9 @@ class Policy(ABC):
     # and the workers' KV events (the router then follows every worker's stream).
     reads_prompt_blocks: ClassVar[bool] = False
     observes_kv_events: ClassVar[bool] = False
+    # What ``observe_peer_choice`` needs of another router replica's choice: the prompt's
+    # "blocks" (kv_aware), its "text" (cache_aware), or nothing (None: it records none).
+    peer_choice_input: ClassVar[str | None] = None
 
     @abstractmethod
     def select(
@@ -98,6 +103,15 @@ class Policy(ABC):
         the worker is not predicted to hold its blocks or to compute its prompt."""
         if decision.take_back is not None:
             decision.take_back(now)
+
+    def observe_peer_choice(
+        self, choice: ChoiceNote, now: float
+    ) -> TakeBack | None:  # most record nothing of a choice
+        """Another router replica sent a request to ``choice.worker_id`` (see
+        :mod:`kvserve.core.routing.announcements`): record it as this policy records its
+        own choices, so that its next decisions see that work; returns what takes the
+        record back (the peer's attempt ended before its first token)."""
+        return None
 
     def forget_worker(self, worker_id: str) -> None:  # noqa: B027 - most keep no state
         """Drop what the policy learned about a worker that left the fleet."""

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from kvserve.core.routing.announcements import ChoiceNote
 from kvserve.core.routing.approximate_tree import ApproximatePrefixTree
 from kvserve.core.routing.cache_aware import CacheAwareConfig, CacheAwareIndex, select_worker
 from kvserve.core.routing.pd_pair import (
@@ -38,6 +39,7 @@ from kvserve.core.routing.types import (
 
 class CacheAwarePolicy(Policy):
     name = "cache_aware"
+    peer_choice_input = "text"
 
     def __init__(self, config: CacheAwareConfig, now: float) -> None:
         self._config = config
@@ -106,6 +108,16 @@ class CacheAwarePolicy(Policy):
             all_of(take_backs),
             prefill_worker_id=prefill_id,
         )
+
+    def observe_peer_choice(self, choice: ChoiceNote, now: float) -> TakeBack | None:
+        """A peer replica sent ``choice.text`` to a worker: its tree learns it as if this
+        replica had (the approximate tree is routing history; without the peers' it
+        knows a fraction of the fleet's)."""
+        if not choice.text:
+            return None
+        tree = self._index.tree(choice.pool, choice.model)
+        held = tree.match(choice.text).get(choice.worker_id, 0)
+        return _insert(tree, choice.text, choice.worker_id, held, now)
 
     def forget_worker(self, worker_id: str) -> None:
         self._index.forget_worker(worker_id)

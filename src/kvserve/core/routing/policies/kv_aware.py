@@ -23,7 +23,13 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 
 from kvserve.core.kv_events import KVEvent
-from kvserve.core.routing.kv_aware import KvAwareChoice, KvAwareConfig, KvAwareRouting
+from kvserve.core.routing.announcements import ChoiceNote
+from kvserve.core.routing.kv_aware import (
+    KvAwareChoice,
+    KvAwareConfig,
+    KvAwareRouting,
+    Prediction,
+)
 from kvserve.core.routing.pd_pair import PDConfig, local_prefill_reason, with_room
 from kvserve.core.routing.policy import Policy
 from kvserve.core.routing.tie_breaking import PoolRotations, least_loaded
@@ -31,6 +37,7 @@ from kvserve.core.routing.types import (
     PairDecision,
     RouteQuery,
     RoutingDecision,
+    TakeBack,
     WorkerLoad,
     all_of,
 )
@@ -40,6 +47,7 @@ class KvAwarePolicy(Policy):
     name = "kv_aware"
     reads_prompt_blocks = True
     observes_kv_events = True
+    peer_choice_input = "blocks"
 
     def __init__(self, config: KvAwareConfig) -> None:
         self.routing = KvAwareRouting(config)
@@ -105,6 +113,17 @@ class KvAwarePolicy(Policy):
 
     def observe_load(self, load: WorkerLoad) -> None:
         self.routing.loads.update(load)
+
+    def observe_peer_choice(self, choice: ChoiceNote, now: float) -> TakeBack:
+        """A peer replica's choice, recorded as this policy records its own: the prefill
+        queued on the worker, the prompt's blocks speculated there (only the blocks on a
+        PD decode worker, which its prefill worker computes)."""
+        if not choice.computes:
+            return self.routing.expect_blocks(choice.worker_id, choice.block_hashes, now)
+        predicted = Prediction(WorkerLoad(choice.worker_id), choice.cached_tokens, 0.0)
+        return self.routing.expect_prefill(
+            KvAwareChoice(predicted, "peer"), choice.block_hashes, choice.prompt_tokens, now
+        )
 
     def forget_worker(self, worker_id: str) -> None:
         self.routing.forget_worker(worker_id)
