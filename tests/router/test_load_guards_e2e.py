@@ -177,8 +177,8 @@ def test_client_disconnect_before_the_answer_releases(
 def test_worker_removed_mid_request(
     client: httpx.Client, router: ServerProcess, processes: int
 ) -> None:
-    if processes > 1:
-        pytest.skip("the worker set is fixed with --processes > 1 (test_processes_e2e.py)")
+    """With several processes the worker set is fixed: the removal is refused (409) and
+    the request it would have cut still ends with nothing held."""
     body = {"prompt": "x", "stream": True, "x_test": {"tokens": 10, "token_delay": 0.05}}
     with client.stream("POST", "/v1/completions", json=body) as response:
         worker = response.headers["x-kvserve-worker"]
@@ -186,10 +186,15 @@ def test_worker_removed_mid_request(
         next(chunks)
         workers = client.get("/workers").json()["workers"]
         url = next(w["url"] for w in workers if w["id"] == worker)
-        assert client.delete(f"/workers/{worker}").status_code == 200
+        removed = client.delete(f"/workers/{worker}")
+        assert removed.status_code == (200 if processes == 1 else 409)
         assert held(router)[GAUGES[0]][worker] == 1
         assert b"[DONE]" in b"".join(chunks)
     assert_idle(router)
+    if processes > 1:
+        assert removed.json()["error"]["code"] == "fixed_fleet"
+        assert worker in {w["id"] for w in client.get("/workers").json()["workers"]}
+        return
     assert worker not in {w["id"] for w in client.get("/workers").json()["workers"]}
     for _ in range(4):
         assert (
