@@ -43,6 +43,9 @@ ROUTERS = ("kvserve-kv_aware", "sglang-cache_aware", "kvserve-cache_aware")
 WORKLOADS = {
     "shared-prefix": "shared-prefix:n_prefixes=6,prefix_len=384,suffix_len=24,max_tokens=8",
     "mooncake-conv": "mooncake-conv:block_tokens=10,max_tokens=8",
+    "hot-prefix": (
+        "shared-prefix:n_prefixes=8,prefix_len=384,suffix_len=24,max_tokens=8,popularity_skew=1.2"
+    ),
 }
 
 

@@ -147,6 +147,27 @@ def test_shared_prefix_requests_share_exactly_their_prefix(mode: str) -> None:
         assert common_prefix(a, b) == (24 if a[:24] == b[:24] else 0)
 
 
+def test_skewed_popularity_makes_the_first_prefix_hot() -> None:
+    def shares(skew: float) -> list[int]:
+        spec = (
+            f"shared-prefix:requests=2000,n_prefixes=4,prefix_len=8,suffix_len=4,"
+            f"mode=tokens,popularity_skew={skew}"
+        )
+        prompts = [s.prompt[:8] for s in build_workload(spec).requests]
+        return [prompts.count(p) for p in dict.fromkeys(prompts)]
+
+    uniform, skewed = sorted(shares(0), reverse=True), sorted(shares(1.5), reverse=True)
+    assert len(uniform) == len(skewed) == 4
+    assert max(uniform) < 600  # about 500 each
+    # Zipf weights 1, 0.354, 0.192, 0.125: the hot prefix carries about 60 % of 2,000.
+    assert 1050 < skewed[0] < 1350 and skewed[3] < 250
+
+
+def test_negative_popularity_skew_is_refused() -> None:
+    with pytest.raises(WorkloadSpecError, match="popularity_skew"):
+        build_workload("shared-prefix:requests=4,popularity_skew=-1")
+
+
 def test_few_shot_shares_the_leading_examples() -> None:
     spec = "few-shot:requests=30,pool=5,shots=3,shot_len=6,question_len=4,mode=tokens"
     prompts = [s.prompt for s in build_workload(spec).requests]

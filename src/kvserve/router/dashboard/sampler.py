@@ -1,7 +1,13 @@
 """The dashboard's one background task: every interval, scrape every worker's ``/metrics``
 (concurrently, each bounded by the interval) and add a sample of the router's counters to
 the history. The request path never waits for it, and the dashboard's data requests read
-only what it last stored, so N viewers cost the workers nothing more than one."""
+only what it last stored, so N viewers cost the workers nothing more than one.
+
+A worker whose ``/metrics`` is another server's (vLLM, SGLang) is asked again only every
+``FOREIGN_RETRY_S``: its exposition has nothing the dashboard reads, and rendering it costs
+the worker's API process milliseconds that its requests wait for (measured on a vLLM CPU
+server: 4–35 ms a scrape). It is asked at all so that a URL later served by a kvserve
+worker is seen within a minute."""
 
 from __future__ import annotations
 
@@ -13,11 +19,12 @@ import aiohttp
 
 from kvserve.router.dashboard.history import History, Totals
 from kvserve.router.dashboard.router_figures import read_router_figures
-from kvserve.router.dashboard.worker_report import WorkerReport, scrape_worker
+from kvserve.router.dashboard.worker_report import NoReport, WorkerReport, scrape_worker
 from kvserve.router.metrics import RouterMetrics
 from kvserve.router.worker_registry import WorkerRegistry
 
 SAMPLE_INTERVAL_S = 1.0
+FOREIGN_RETRY_S = 60.0
 
 
 class FleetSampler:
@@ -38,14 +45,27 @@ class FleetSampler:
         self._wall_clock = wall_clock
         self.history = History()
         self.reports: dict[str, WorkerReport] = {}  # the latest answer of each worker
+        self._foreign_at: dict[str, float] = {}  # worker id -> when it last answered foreign
 
     async def sample(self) -> None:
         workers = self._registry.all()
-        scraped_at = self._wall_clock()
+        now, scraped_at = self._clock(), self._wall_clock()
+        asked = [w for w in workers if self._due(w.worker_id, now)]
         answers = await asyncio.gather(
-            *(scrape_worker(self._session, w.url, self.interval_s, scraped_at) for w in workers)
+            *(scrape_worker(self._session, w.url, self.interval_s, scraped_at) for w in asked)
         )
-        self.reports = {w.worker_id: a for w, a in zip(workers, answers, strict=True) if a}
+        self.reports = {}
+        self._foreign_at = {
+            w.worker_id: self._foreign_at[w.worker_id]
+            for w in workers
+            if w.worker_id in self._foreign_at
+        }
+        for worker, answer in zip(asked, answers, strict=True):
+            if isinstance(answer, WorkerReport):
+                self.reports[worker.worker_id] = answer
+                self._foreign_at.pop(worker.worker_id, None)
+            elif answer is NoReport.FOREIGN:
+                self._foreign_at[worker.worker_id] = now
         figures = read_router_figures(self._metrics.registry)
         totals = {}
         for worker in workers:
@@ -58,7 +78,11 @@ class FleetSampler:
                 ttft_buckets=tuple(sorted(counts.ttft_buckets.items())),
                 generation_tokens=None if report is None else report.generation_tokens,
             )
-        self.history.add(self._clock(), totals)
+        self.history.add(now, totals)
+
+    def _due(self, worker_id: str, now: float) -> bool:
+        found_foreign = self._foreign_at.get(worker_id)
+        return found_foreign is None or now - found_foreign >= FOREIGN_RETRY_S
 
     async def run_forever(self) -> None:
         while True:

@@ -5,6 +5,7 @@ contract Prometheus already relies on, so the dashboard shows the same numbers."
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import Enum
 
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
@@ -96,21 +97,30 @@ def parse_worker_metrics(text: str, scraped_at: float) -> WorkerReport:
     )
 
 
+class NoReport(Enum):
+    """Why a scrape gave no report. The two differ in what to do next: a worker that did
+    not answer may answer the next second, while one that answered with another server's
+    exposition (a vLLM or SGLang worker) will answer the same way every time."""
+
+    SILENT = "silent"
+    FOREIGN = "foreign"
+
+
 async def scrape_worker(
     session: aiohttp.ClientSession, url: str, timeout_s: float, now: float
-) -> WorkerReport | None:
-    """The worker's report, or None when it does not answer in time or is not a kvserve
-    worker: the dashboard then shows the router's own figures only."""
+) -> WorkerReport | NoReport:
+    """The worker's report, or why there is none: the dashboard then shows the router's
+    own figures for that worker."""
     try:
         async with session.get(
             url + "/metrics", timeout=aiohttp.ClientTimeout(total=timeout_s)
         ) as response:
             if response.status != 200:
-                return None
+                return NoReport.SILENT
             text = await response.text()
     except (aiohttp.ClientError, TimeoutError, UnicodeDecodeError):
-        return None
+        return NoReport.SILENT
     try:
         return parse_worker_metrics(text, now)
     except (KeyError, ValueError):
-        return None
+        return NoReport.FOREIGN
