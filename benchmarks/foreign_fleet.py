@@ -28,6 +28,7 @@ import json
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -73,15 +74,15 @@ def start_sglang_router(workers: list[VllmServer]) -> ServerProcess:
 
 
 def start_kvserve_router(
-    workers: list[VllmServer], model_dir: Path, prefill_token_s: float
+    workers: list[VllmServer], model_dir: Path, prefill_token_s: float, decode_s: float
 ) -> ServerProcess:
-    """kv_aware with this machine's prefill cost; a running request is charged one prompt
-    token's worth (a CPU computes a decode token as it does a prompt token)."""
+    """kv_aware with this machine's costs, both measured on the same servers: seconds per
+    prompt token, and what a running sequence adds to a new prompt's TTFT."""
     router = start_router(
         [w.url for w in workers], free_port(), "--policy", "kv_aware",
         "--tokenizer", str(model_dir), "--kv-events", *[w.kv_events() for w in workers],
         "--kv-block-size", str(BLOCK_SIZE), "--kv-prefill-token-s", str(prefill_token_s),
-        "--kv-decode-request-s", str(prefill_token_s),
+        "--kv-decode-request-s", str(decode_s),
     )  # fmt: skip
     deadline = time.monotonic() + 60
     while not all("kv_events_stream" in w for w in _workers(router)):  # followers started
@@ -121,6 +122,42 @@ def prefill_token_s(worker: VllmServer, model_dir: Path) -> float:
     return (times[1536] - times[128]) / (1536 - 128)
 
 
+def decode_request_s(worker: VllmServer, model_dir: Path, running: int = 4) -> float:
+    """What one running sequence adds to a new prompt's TTFT on this machine, as kv_aware's
+    ``decode_request_s`` means it: a cold 384-token prompt's TTFT beside ``running``
+    sequences decoding, minus its TTFT on an idle server, per sequence (best of three
+    each). vLLM batches the new prefill with the running decodes, so on a CPU every step
+    it shares with them is longer, and it waits for the step in progress."""
+
+    def prompt(k: int) -> list[int]:
+        return [(11 * i + 17 * k + 5) % 900 + 50 for i in range(384)]
+
+    idle = min(_cold_ttft_s(worker, model_dir, prompt(k)) for k in range(3))
+    body = {"model": str(model_dir), "prompt": [60, 61, 62], "max_tokens": 1500, "ignore_eos": True}
+    stop = threading.Event()
+
+    def decode_forever() -> None:
+        while not stop.is_set():
+            request = urllib.request.Request(
+                f"{worker.url}/v1/completions", json.dumps(body).encode(),
+                {"Content-Type": "application/json"},
+            )  # fmt: skip
+            with urllib.request.urlopen(request, timeout=600) as response:
+                response.read()
+
+    threads = [threading.Thread(target=decode_forever, daemon=True) for _ in range(running)]
+    for thread in threads:
+        thread.start()
+    time.sleep(1.0)  # every sequence past its prefill
+    try:
+        busy = min(_cold_ttft_s(worker, model_dir, prompt(k)) for k in range(3, 6))
+    finally:
+        stop.set()
+        for thread in threads:
+            thread.join()
+    return max(busy - idle, 0.0) / running
+
+
 def reset_caches(workers: list[VllmServer]) -> None:
     for worker in workers:
         request = urllib.request.Request(f"{worker.url}/reset_prefix_cache", method="POST")
@@ -134,7 +171,9 @@ def run_once(
 ) -> dict[str, Any]:  # fmt: skip
     reset_caches(workers)
     if name == "kvserve-kv_aware":
-        router = start_kvserve_router(workers, model_dir, args.prefill_token_s)
+        router = start_kvserve_router(
+            workers, model_dir, args.prefill_token_s, args.decode_request_s
+        )
     elif name == "kvserve-cache_aware":  # kvserve's router with sglang-router's policy
         router = start_router([w.url for w in workers], free_port(), "--policy", "cache_aware")
     else:
@@ -169,7 +208,12 @@ def main() -> None:
         for worker in workers:
             worker.wait_healthy(600)
         args.prefill_token_s = prefill_token_s(workers[0], model_dir)
-        print(f"prefill: {args.prefill_token_s * 1e6:.1f} us per prompt token", flush=True)
+        args.decode_request_s = decode_request_s(workers[0], model_dir)
+        print(
+            f"prefill: {args.prefill_token_s * 1e6:.1f} us per prompt token; a running "
+            f"sequence adds {args.decode_request_s * 1e3:.2f} ms to a new prompt's TTFT",
+            flush=True,
+        )
         for round_index in range(args.rounds):
             order = args.routers if round_index % 2 == 0 else args.routers[::-1]
             for workload_name, spec in workloads.items():
