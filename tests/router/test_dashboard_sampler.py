@@ -34,11 +34,12 @@ VLLM_EXPOSITION = (
 class _MetricsServer:
     """A worker's ``/metrics`` that answers with ``status`` and ``body``, counting asks."""
 
-    def __init__(self, body: bytes, status: int = 200) -> None:
+    def __init__(self, body: bytes, status: int) -> None:
         self.body, self.status, self.hits = body, status, 0
         self.runner: web.AppRunner | None = None
+        self.url = ""
 
-    async def start(self) -> str:
+    async def start(self) -> None:
         async def metrics(_request: web.Request) -> web.Response:
             self.hits += 1
             return web.Response(status=self.status, body=self.body, content_type="text/plain")
@@ -49,77 +50,74 @@ class _MetricsServer:
         await self.runner.setup()
         await web.TCPSite(self.runner, "127.0.0.1", 0).start()
         host, port = self.runner.addresses[0][:2]
-        return f"http://{host}:{port}"
+        self.url = f"http://{host}:{port}"
 
     async def stop(self) -> None:
         assert self.runner is not None
         await self.runner.cleanup()
 
 
+class _Fleet:
+    """Workers behind real ``/metrics`` servers, and a sampler on a clock the test moves."""
+
+    def __init__(self, session: aiohttp.ClientSession) -> None:
+        self.registry = WorkerRegistry(CircuitBreakerConfig())
+        self.servers: list[_MetricsServer] = []
+        self.now = 0.0
+        self.sampler = FleetSampler(self.registry, RouterMetrics(), session, clock=lambda: self.now)
+
+    async def add(self, body: bytes, status: int = 200) -> tuple[_MetricsServer, str]:
+        """A started server and its worker's id."""
+        server = _MetricsServer(body, status)
+        self.servers.append(server)
+        await server.start()
+        return server, self.registry.add(server.url).worker_id
+
+    async def sample_at(self, now: float) -> None:
+        self.now = now
+        await self.sampler.sample()
+
+
 @pytest.fixture
-async def session() -> AsyncIterator[aiohttp.ClientSession]:
-    async with aiohttp.ClientSession() as client:
-        yield client
+async def fleet() -> AsyncIterator[_Fleet]:
+    async with aiohttp.ClientSession() as session:
+        built = _Fleet(session)
+        try:
+            yield built
+        finally:
+            for server in built.servers:
+                await server.stop()
 
 
-async def test_a_foreign_worker_is_asked_once_a_minute(session: aiohttp.ClientSession) -> None:
-    kvserve, vllm = _MetricsServer(KVSERVE_EXPOSITION), _MetricsServer(VLLM_EXPOSITION)
-    registry = WorkerRegistry(CircuitBreakerConfig())
-    ours = registry.add(await kvserve.start())
-    theirs = registry.add(await vllm.start())
-    try:
-        clock = [100.0]
-        sampler = FleetSampler(registry, RouterMetrics(), session, clock=lambda: clock[0])
-        for _ in range(5):
-            await sampler.sample()
-            clock[0] += 1.0
-        assert (kvserve.hits, vllm.hits) == (5, 1)
-        assert set(sampler.reports) == {ours.worker_id}
-        assert theirs.worker_id not in sampler.reports
+async def test_a_foreign_worker_is_asked_once_a_minute(fleet: _Fleet) -> None:
+    kvserve, ours = await fleet.add(KVSERVE_EXPOSITION)
+    vllm, theirs = await fleet.add(VLLM_EXPOSITION)
+    for second in range(5):
+        await fleet.sample_at(100.0 + second)
+    assert (kvserve.hits, vllm.hits) == (5, 1)
+    assert set(fleet.sampler.reports) == {ours}
+    assert theirs not in fleet.sampler.reports
 
-        clock[0] = 100.0 + FOREIGN_RETRY_S  # a minute after the foreign answer: asked again
-        await sampler.sample()
-        assert (kvserve.hits, vllm.hits) == (6, 2)
-    finally:
-        await kvserve.stop()
-        await vllm.stop()
+    await fleet.sample_at(100.0 + FOREIGN_RETRY_S)  # a minute after the foreign answer
+    assert (kvserve.hits, vllm.hits) == (6, 2)
 
 
 async def test_a_worker_that_turns_kvserve_is_read_and_asked_every_interval(
-    session: aiohttp.ClientSession,
+    fleet: _Fleet,
 ) -> None:
-    server = _MetricsServer(VLLM_EXPOSITION)
-    registry = WorkerRegistry(CircuitBreakerConfig())
-    worker = registry.add(await server.start())
-    try:
-        clock = [0.0]
-        sampler = FleetSampler(registry, RouterMetrics(), session, clock=lambda: clock[0])
-        await sampler.sample()
-        server.body = KVSERVE_EXPOSITION
-        clock[0] = FOREIGN_RETRY_S
-        await sampler.sample()
-        assert worker.worker_id in sampler.reports
-        clock[0] += 1.0
-        await sampler.sample()
-        assert server.hits == 3
-    finally:
-        await server.stop()
+    server, worker_id = await fleet.add(VLLM_EXPOSITION)
+    await fleet.sample_at(0.0)
+    server.body = KVSERVE_EXPOSITION
+    await fleet.sample_at(FOREIGN_RETRY_S)
+    assert worker_id in fleet.sampler.reports
+    await fleet.sample_at(FOREIGN_RETRY_S + 1.0)
+    assert server.hits == 3
 
 
-async def test_a_worker_that_failed_to_answer_is_asked_next_interval(
-    session: aiohttp.ClientSession,
-) -> None:
-    server = _MetricsServer(KVSERVE_EXPOSITION, status=503)
-    registry = WorkerRegistry(CircuitBreakerConfig())
-    worker = registry.add(await server.start())
-    try:
-        clock = [0.0]
-        sampler = FleetSampler(registry, RouterMetrics(), session, clock=lambda: clock[0])
-        await sampler.sample()
-        assert sampler.reports == {}
-        server.status = 200
-        clock[0] += 1.0
-        await sampler.sample()
-        assert set(sampler.reports) == {worker.worker_id} and server.hits == 2
-    finally:
-        await server.stop()
+async def test_a_worker_that_failed_to_answer_is_asked_next_interval(fleet: _Fleet) -> None:
+    server, worker_id = await fleet.add(KVSERVE_EXPOSITION, status=503)
+    await fleet.sample_at(0.0)
+    assert fleet.sampler.reports == {}
+    server.status = 200
+    await fleet.sample_at(1.0)
+    assert set(fleet.sampler.reports) == {worker_id} and server.hits == 2
