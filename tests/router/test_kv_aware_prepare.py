@@ -43,6 +43,8 @@ async def test_prepared_hashes_are_the_synchronous_ones(model_dir: Path) -> None
         {"model": str(model_dir), "messages": [chat]},
         {"model": str(model_dir), "prompt": "Harbours, tides and ships. " * 20},
         {"model": str(model_dir), "prompt": list(range(3, 70))},
+        # past SYNC_ENCODE_MAX_CHARS: encoded on the tokenizer's threads instead
+        {"model": str(model_dir), "prompt": "Lanterns along the quay. " * 400},
     ]
     for body in bodies:
         prepared = await preparer.prepare(query(body))
@@ -81,7 +83,7 @@ async def test_the_loop_keeps_running_while_long_prompts_are_tokenized(model_dir
         events.append("short")
 
     await asyncio.gather(*(prepare_long() for _ in range(3)), serve_meanwhile())
-    assert events.index("tick") < events.index("long"), events
+    assert events.index("tick") < events.index("short") < events.index("long"), events
 
 
 @pytest.mark.parametrize(
