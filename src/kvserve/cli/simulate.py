@@ -64,6 +64,22 @@ def register(app: typer.Typer) -> None:
             ),
         ],
         workers: Annotated[int, typer.Option(help="Workers in the fleet.")] = 10,
+        prefill: Annotated[
+            int | None,
+            typer.Option(
+                help="With --decode: a prefill/decode fleet of this many prefill workers "
+                "(--workers is then their sum); pairs chosen by each policy's pair rule."
+            ),
+        ] = None,
+        decode: Annotated[
+            int | None, typer.Option(help="With --prefill: this many decode workers.")
+        ] = None,
+        transfer_gbps: Annotated[
+            float, typer.Option(help="PD fleets: KV transfer bandwidth, GB/s.")
+        ] = 12.5,
+        transfer_latency: Annotated[
+            float, typer.Option(help="PD fleets: seconds each transfer adds.")
+        ] = 1e-3,
         cache_tokens: Annotated[int, typer.Option(help="KV cache tokens per worker.")] = 3_000_000,
         policy: Annotated[
             str,
@@ -193,6 +209,12 @@ def register(app: typer.Typer) -> None:
             raise typer.BadParameter("--slo-ttft must be > 0")
         if find_max_rate and slo_ttft is None:
             raise typer.BadParameter("--find-max-rate needs --slo-ttft")
+        if (prefill is None) != (decode is None):
+            raise typer.BadParameter("--prefill and --decode go together")
+        if prefill is not None and decode is not None:
+            if prefill < 1 or decode < 1:
+                raise typer.BadParameter("--prefill and --decode must be >= 1")
+            workers = prefill + decode
         kv_aware_overrides = {}
         if kv_aware_recompute_weight is not None:
             kv_aware_overrides["recompute_weight"] = kv_aware_recompute_weight
@@ -212,6 +234,9 @@ def register(app: typer.Typer) -> None:
                 router_replicas=router_replicas,
                 load_report_interval_s=load_report_interval,
                 announce_delay_s=announce_delay if announce and router_replicas > 1 else None,
+                prefill_workers=prefill or 0,
+                transfer_gbps=transfer_gbps,
+                transfer_latency_s=transfer_latency,
             )
             loaded = load_trace(trace, limit=limit, speedup=speedup)
             if spread_arrivals:
@@ -222,7 +247,13 @@ def register(app: typer.Typer) -> None:
             raise typer.BadParameter(str(error)) from error
         setup = (
             f"trace {loaded.name} ({len(loaded.requests)} requests, arrivals x{1 / speedup:g}), "
-            f"{workers} workers x {cache_tokens:,} cache tokens, profile {profile}, "
+            + (
+                f"{prefill} prefill + {decode} decode workers (KV transfers at "
+                f"{transfer_gbps:g} GB/s + {transfer_latency:g} s)"
+                if prefill
+                else f"{workers} workers"
+            )
+            + f" x {cache_tokens:,} cache tokens, profile {profile}, "
             f"{router_replicas} router replica(s)"
             + (f", load reports every {load_report_interval:g} s" if load_report_interval else "")
             + (

@@ -51,6 +51,8 @@ class CostModel:
     context_token_s: float
     attention_pair_s: float
     sequence_s: float
+    # K and V of one token, all layers: what a prefill/decode transfer moves per token
+    kv_bytes_per_token: int = 0
 
     def __post_init__(self) -> None:
         coefficients = (
@@ -60,7 +62,7 @@ class CostModel:
             self.attention_pair_s,
             self.sequence_s,
         )
-        if any(c < 0 for c in coefficients):
+        if any(c < 0 for c in coefficients) or self.kv_bytes_per_token < 0:
             raise ValueError(f"cost model {self.name!r}: coefficients must be >= 0")
 
     def step_time(self, chunks: Iterable[tuple[int, int]]) -> float:
@@ -111,8 +113,10 @@ PROFILES: dict[str, CostModel] = {
         context_token_s=48.9e-9,
         attention_pair_s=1.06e-9,
         sequence_s=20e-6,
+        kv_bytes_per_token=128 * 1024,
     ),
-    # Round numbers for tests: steps of a few milliseconds, prefill 10 µs per token.
+    # Round numbers for tests: steps of a few milliseconds, prefill 10 µs per token,
+    # 1 MB of KV per token (a transfer of 1,000 tokens takes 0.1 s at 10 GB/s).
     "tiny": CostModel(
         name="tiny",
         base_s=2e-3,
@@ -120,6 +124,7 @@ PROFILES: dict[str, CostModel] = {
         context_token_s=0.0,
         attention_pair_s=0.0,
         sequence_s=0.0,
+        kv_bytes_per_token=1_000_000,
     ),
 }
 

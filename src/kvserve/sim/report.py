@@ -11,7 +11,7 @@ import numpy as np
 from rich import box
 from rich.table import Table
 
-from kvserve.sim.simulator import SimResult
+from kvserve.sim.simulator import RequestRecord, SimResult
 
 # What each column means, printed under the table: a reader should not have to guess.
 COLUMN_NOTES = (
@@ -21,6 +21,8 @@ COLUMN_NOTES = (
     "imbalance: the busiest worker's computed tokens / the mean over workers "
     "(1.00 = perfectly even; recomputation after preemption counts)",
     "rejected: prompts longer than a worker's whole cache (never served)",
+    "PD fleets: remote = share of requests prefilled by a prefill worker, transfer = "
+    "their mean KV transfer time (s); imbalance spans both pools",
     "report.md and --json add TTFT p90, preemptions and the simulation's own run time",
 )
 
@@ -43,6 +45,11 @@ class PolicySummary:
     # without an SLO.
     slo_ttft_s: float | None = None
     goodput: float | None = None
+    # PD fleets (None otherwise): the share of served requests whose KV a prefill worker
+    # computed and the decode worker installed, and those transfers' mean time
+    pd_remote_share: float | None = None
+    pd_transfer_mean_s: float | None = None
+    unfinished: int = 0  # never served: stuck when nothing was left to happen
 
 
 def summarize(result: SimResult, slo_ttft_s: float | None = None) -> PolicySummary:
@@ -70,7 +77,24 @@ def summarize(result: SimResult, slo_ttft_s: float | None = None) -> PolicySumma
         sim_wall_s=result.wall_s,
         slo_ttft_s=slo_ttft_s,
         goodput=None if slo_ttft_s is None else _goodput(waits, len(result.records), slo_ttft_s),
+        pd_remote_share=_remote_share(result, served),
+        pd_transfer_mean_s=_transfer_mean(result, served),
+        unfinished=result.unfinished,
     )
+
+
+def _remote_share(result: SimResult, served: Sequence[RequestRecord]) -> float | None:
+    if not result.prefill_workers:
+        return None
+    remote = sum(1 for r in served if r.prefill_worker_id is not None)
+    return remote / len(served) if served else 0.0
+
+
+def _transfer_mean(result: SimResult, served: Sequence[RequestRecord]) -> float | None:
+    times = [r.transfer_s for r in served if r.transfer_s is not None]
+    if not result.prefill_workers:
+        return None
+    return sum(times) / len(times) if times else 0.0
 
 
 def _goodput(waits: Sequence[float], requests: int, slo_ttft_s: float) -> float:
@@ -129,7 +153,17 @@ _TERMINAL_COLUMNS = {  # header -> column
 def _with_goodput(
     summaries: Sequence[PolicySummary], headers: Sequence[str], rows: list[list[str]]
 ) -> tuple[list[str], list[list[str]]]:
-    """A goodput column after the others when the run had an SLO."""
+    """PD columns when the fleet was disaggregated, an unfinished count when a request
+    never finished, and a goodput column when the run had an SLO."""
+    if summaries and summaries[0].pd_remote_share is not None:
+        headers = [*headers, "remote", "transfer (s)"]
+        rows = [
+            [*row, f"{s.pd_remote_share or 0:.2f}", f"{s.pd_transfer_mean_s or 0:.4f}"]
+            for row, s in zip(rows, summaries, strict=True)
+        ]
+    if any(s.unfinished for s in summaries):
+        headers = [*headers, "unfinished"]
+        rows = [[*row, str(s.unfinished)] for row, s in zip(rows, summaries, strict=True)]
     slo = summaries[0].slo_ttft_s if summaries else None
     if slo is None:
         return list(headers), rows

@@ -21,6 +21,20 @@ own policy object and guards, all fed every worker's events (:mod:`kvserve.sim.r
 With ``announce_delay_s`` set, each replica announces its choices and guard changes to
 the others, delivered that many seconds later (before any arrival at the same instant).
 
+With ``prefill_workers`` P > 0 the fleet is disaggregated: P prefill workers (``p0``...)
+and the rest decode workers (``d0``...). Each request's pair is the policy's
+``select_pair`` on the two pools' loads, the decode workers' KV headroom exact at the
+decision (the router polls it every 0.5 s), as :mod:`kvserve.router.pd_proxy` calls it;
+the decode worker reserves as the real one does and, when the prompt is worth it, the
+prefill worker computes the prompt's full blocks plus one token, then the blocks the
+decode worker lacks travel for the transfer model's time, are installed, and the decode
+worker computes the rest and decodes (:mod:`kvserve.sim.disaggregation`). Guards as the
+router's: the prefill worker holds one request and the prompt's tokens until the KV is
+installed (the decode worker's response headers), or until the first token when the
+decode worker prefills after all; the decode worker holds one request (and the prompt's
+tokens until the first token when the router predicted a local prefill). A request's
+cached tokens are the prompt tokens no worker computed for it. One router replica.
+
 ``global`` is the reference ceiling: N schedulers (N GPUs) over one shared cache of N×T
 tokens, so every request finds every prefix ever computed and still in that cache; with
 it, routing has only load to decide.
@@ -28,6 +42,7 @@ it, routing has only load to decide.
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import time
 from collections.abc import Callable, Sequence
@@ -36,15 +51,24 @@ from dataclasses import dataclass, field
 from kvserve.core.cost_model import CostModel
 from kvserve.core.hashing import make_namespace
 from kvserve.core.kv_cache_manager import KVCacheManager
-from kvserve.core.request import Request
+from kvserve.core.request import Request, RequestStatus
 from kvserve.core.routing.announcements import Announcement
 from kvserve.core.routing.cache_aware import CacheAwareConfig
 from kvserve.core.routing.kv_aware import KvAwareConfig
+from kvserve.core.routing.pd_pair import PDConfig
 from kvserve.core.routing.policies import POLICY_NAMES, make_policy
 from kvserve.core.routing.policy import Policy
 from kvserve.core.routing.types import PromptBlocks, RouteQuery
 from kvserve.core.sampling_params import SamplingParams
 from kvserve.core.scheduler import SchedulerConfig
+from kvserve.sim.disaggregation import (
+    Reservation,
+    TransferModel,
+    install,
+    prefill_request,
+    release,
+    reserve,
+)
 from kvserve.sim.replicas import RouterReplica
 from kvserve.sim.trace import BLOCK_TOKENS, TraceRequest
 from kvserve.sim.worker import SimWorker
@@ -72,10 +96,20 @@ class SimConfig:
     load_report_interval_s: float | None = None
     # None: replicas announce nothing; else their announcements arrive after this delay
     announce_delay_s: float | None = None
+    # > 0: a disaggregated fleet, this many of the workers prefill, the rest decode
+    prefill_workers: int = 0
+    pd: PDConfig = field(default_factory=PDConfig)
+    transfer_gbps: float = 12.5  # one 100 Gb/s NIC's worth, in GB/s
+    transfer_latency_s: float = 1e-3  # per transfer: connection, request, install
 
     def __post_init__(self) -> None:
         if self.num_workers < 1:
             raise ValueError("num_workers must be >= 1")
+        if not 0 <= self.prefill_workers < self.num_workers:
+            raise ValueError("prefill_workers must be >= 0 and leave a decode worker")
+        if self.prefill_workers and self.router_replicas > 1:
+            raise ValueError("a prefill/decode fleet is simulated behind one router replica")
+        self.transfer_model()  # validates
         if self.router_replicas < 1:
             raise ValueError("router_replicas must be >= 1")
         if self.load_report_interval_s is not None and self.load_report_interval_s < 0:
@@ -89,6 +123,11 @@ class SimConfig:
     def blocks_per_worker(self) -> int:
         return self.cache_tokens // BLOCK_TOKENS
 
+    def transfer_model(self) -> TransferModel:
+        return TransferModel(
+            self.transfer_gbps, self.transfer_latency_s, self.cost.kv_bytes_per_token
+        )
+
 
 @dataclass(frozen=True, slots=True)
 class RequestRecord:
@@ -99,6 +138,10 @@ class RequestRecord:
     prompt_tokens: int
     cached_tokens: int
     output_tokens: int
+    # PD fleets: the prefill worker whose KV the decode worker installed (None: prefilled
+    # on the decode worker) and how long that transfer took
+    prefill_worker_id: str | None = None
+    transfer_s: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,6 +152,24 @@ class SimResult:
     busy_s: dict[str, float]
     preemptions: int
     wall_s: float
+    prefill_workers: tuple[str, ...] = ()  # PD fleets: the prefill pool
+    # Requests still waiting when nothing was left to happen (see docs/internals.md,
+    # "Simulating prefill/decode fleets": a decode worker's leases can starve its queue)
+    unfinished: int = 0
+
+
+@dataclass(slots=True)
+class _PairState:
+    """A request of a PD fleet: its pair, what its guards hold, where its KV stands."""
+
+    request: Request
+    decode_id: str
+    prefill_id: str | None  # the router's choice; None: predicted local
+    decode_tokens: int = 0  # the prompt tokens the decode worker's guard holds
+    prefill_released: bool = False
+    reservation: Reservation | None = None  # a lease, when the decode worker took one
+    prefill_cached: int | None = None  # the prefill worker's cached tokens, once it ran
+    transfer_s: float | None = None
 
 
 def build_policy(name: str, config: SimConfig) -> Policy:
@@ -146,6 +207,13 @@ class Simulation:
         self.config = config
         ids = [f"w{i}" for i in range(config.num_workers)]
         announce = config.announce_delay_s is not None and config.router_replicas > 1
+        self._prefill_ids = [f"p{i}" for i in range(config.prefill_workers)]
+        decoders = config.num_workers - config.prefill_workers if config.prefill_workers else 0
+        self._decode_ids = [f"d{i}" for i in range(decoders)]
+        if config.prefill_workers:
+            if policy_name == GLOBAL:
+                raise ValueError("global is a mixed fleet's ceiling: no PD fleet")
+            ids = self._prefill_ids + self._decode_ids
         self.replicas = [
             RouterReplica(build_policy(policy_name, config), ids, f"r{i}", announce)
             for i in range(config.router_replicas)
@@ -171,19 +239,29 @@ class Simulation:
         self._first_tokens: dict[str, float] = {}
         self._served_by: dict[str, tuple[str, RouterReplica]] = {}
         self.records: list[RequestRecord] = []
+        self._transfer = config.transfer_model()
+        self._pairs: dict[str, _PairState] = {}  # PD fleets: request id -> its state
+        self._exports: dict[str, _PairState] = {}  # prefill workers' request id -> pair
+        self._transfers: list[tuple[float, int, str]] = []  # (end time, order, request id)
+        self._leased: dict[str, list[Request]] = {w: [] for w in self._decode_ids}
 
     def run(
         self, trace: Sequence[TraceRequest], progress: Callable[[int], None] | None = None
     ) -> SimResult:
         started = time.perf_counter()
         next_arrival = 0
-        while next_arrival < len(trace) or self._steps or self._deliveries:
+        while next_arrival < len(trace) or self._steps or self._deliveries or self._transfers:
             arrival_time = trace[next_arrival].arrival_s if next_arrival < len(trace) else None
             step_time = self._steps[0][0] if self._steps else None
             if self._deliveries and all(
                 t is None or self._deliveries[0][0] <= t for t in (arrival_time, step_time)
             ):
                 self._deliver(*heapq.heappop(self._deliveries))
+            elif self._transfers and all(
+                t is None or self._transfers[0][0] <= t for t in (arrival_time, step_time)
+            ):
+                now, _, request_id = heapq.heappop(self._transfers)
+                self._transfer_ended(request_id, now, self._horizon(trace, next_arrival))
             elif self._steps and (arrival_time is None or self._steps[0][0] <= arrival_time):
                 now, _, worker_id = heapq.heappop(self._steps)
                 self._end_step(self.workers[worker_id], now, trace, next_arrival)
@@ -202,6 +280,8 @@ class Simulation:
             busy_s={w: worker.busy_s for w, worker in self.workers.items()},
             preemptions=sum(w.scheduler.stats.preemptions for w in self.workers.values()),
             wall_s=time.perf_counter() - started,
+            prefill_workers=tuple(self._prefill_ids),
+            unfinished=len(self._arrivals),
         )
 
     def _horizon(self, trace: Sequence[TraceRequest], next_arrival: int) -> float:
@@ -219,6 +299,9 @@ class Simulation:
             block_size=BLOCK_TOKENS,
         )
         self._report_loads(now)
+        if self._prefill_ids:
+            self._route_pair(spec, request, now, self._horizon(trace, next_arrival))
+            return
         replica = self.replicas[self._routed % len(self.replicas)]
         self._routed += 1
         query = route_query(spec, request, replica.policy.reads_prompt_blocks)
@@ -271,22 +354,28 @@ class Simulation:
         self, worker: SimWorker, now: float, trace: Sequence[TraceRequest], next_arrival: int
     ) -> None:
         result = worker.finish_step()
+        horizon = self._horizon(trace, next_arrival)
         touched: dict[int, RouterReplica] = {}
         for request in result.first_tokens:
+            if request.request_id in self._exports:
+                continue  # a prefill worker's part: it ends with this token
             self._first_tokens[request.request_id] = now
-            replica = self._served_by[request.request_id][1]
-            replica.adjust(worker.worker_id, 0, -request.num_prompt_tokens)
+            replica = self._first_token(request, worker.worker_id)
             touched[id(replica)] = replica
         for request in result.finished:
+            state = self._exports.pop(request.request_id, None)
+            if state is not None:
+                self._export_ended(state, request, now, horizon)
+                continue
             replica = self._record(request, now)
             touched[id(replica)] = replica
+        self._release_admitted_leases(worker)
         for replica in touched.values():
             self._announce(replica, now)
         if not self._shared_cache:
             events = worker.new_events()
             for replica in self.replicas:
                 replica.policy.observe_events(worker.worker_id, events)
-        horizon = self._horizon(trace, next_arrival)
         # With one shared cache a worker may have waited for blocks another one freed.
         waiting = self.workers.values() if self._shared_cache else (worker,)
         for candidate in waiting:
@@ -298,9 +387,16 @@ class Simulation:
         request_id = request.request_id
         worker_id, replica = self._served_by.pop(request_id)
         first = self._first_tokens.pop(request_id, None)
+        state = self._pairs.pop(request_id, None)
+        guarded = request.num_prompt_tokens if state is None else state.decode_tokens
         # rejected before running: its prompt never became a first token
-        unreleased = request.num_prompt_tokens if first is None else 0
-        replica.adjust(worker_id, -1, -unreleased)
+        replica.adjust(worker_id, -1, -guarded if first is None else 0)
+        cached = request.num_cached_tokens or 0
+        transferred = state is not None and state.transfer_s is not None
+        if state is not None:
+            self._release_prefill(state, replica)
+            if state.prefill_cached is not None and first is not None:
+                cached = state.prefill_cached  # the prompt tokens no worker computed
         self.records.append(
             RequestRecord(
                 arrival_s=self._arrivals.pop(request_id),
@@ -308,11 +404,114 @@ class Simulation:
                 finish_s=now if first is not None else None,
                 worker_id=worker_id,
                 prompt_tokens=request.num_prompt_tokens,
-                cached_tokens=request.num_cached_tokens or 0,
+                cached_tokens=cached,
                 output_tokens=request.num_output_tokens,
+                prefill_worker_id=state.prefill_id if state and transferred else None,
+                transfer_s=state.transfer_s if state else None,
             )
         )
         return replica
+
+    def _first_token(self, request: Request, worker_id: str) -> RouterReplica:
+        """Release what the guards hold until the first token; returns the replica."""
+        replica = self._served_by[request.request_id][1]
+        state = self._pairs.get(request.request_id)
+        if state is None:
+            replica.adjust(worker_id, 0, -request.num_prompt_tokens)
+            return replica
+        replica.adjust(worker_id, 0, -state.decode_tokens)
+        state.decode_tokens = 0
+        self._release_prefill(state, replica)  # at the latest with the first token
+        return replica
+
+    # -- prefill/decode fleets -------------------------------------------------------
+
+    def _route_pair(self, spec: TraceRequest, request: Request, now: float, horizon: float) -> None:
+        """The router's pair choice and guards, then the decode worker's reservation."""
+        replica = self.replicas[0]
+        query = route_query(spec, request, replica.policy.reads_prompt_blocks)
+        loads = {load.worker_id: load for load in replica.snapshot()}
+        decodes = [
+            dataclasses.replace(loads[w], kv_free_fraction=self._headroom(w))
+            for w in self._decode_ids
+        ]
+        prefills = [loads[w] for w in self._prefill_ids]
+        decision = replica.policy.select_pair(query, decodes, prefills, now, self.config.pd)
+        decode_id, prefill_id = decision.worker_id, decision.prefill_worker_id
+        prompt = request.num_prompt_tokens
+        state = _PairState(request, decode_id, prefill_id)
+        self._pairs[request.request_id] = state
+        self._arrivals[request.request_id] = now
+        self._served_by[request.request_id] = (decode_id, replica)
+        decode = self.workers[decode_id]
+        if prefill_id is None:
+            state.decode_tokens, state.prefill_released = prompt, True
+            replica.adjust(decode_id, 1, prompt)
+            self._run(decode, request, now, horizon)
+            return
+        replica.adjust(prefill_id, 1, prompt)
+        replica.adjust(decode_id, 1, 0)
+        reservation = reserve(decode.kv_cache, request, decode.scheduler.running, self.config.pd)
+        if not reservation.remote:  # the decode worker prefills after all
+            self._run(decode, request, now, horizon)
+            return
+        state.reservation = reservation
+        export = prefill_request(request, reservation, _NAMESPACE, BLOCK_TOKENS)
+        self._exports[export.request_id] = state
+        self._run(self.workers[prefill_id], export, now, horizon)
+
+    def _headroom(self, worker_id: str) -> float:
+        """Free and evictable blocks over all: what the decode worker's ``/load`` says."""
+        return self.workers[worker_id].kv_cache.num_available_blocks / self.config.blocks_per_worker
+
+    def _run(self, worker: SimWorker, request: Request, now: float, horizon: float) -> None:
+        worker.add(request)
+        if worker.busy_until is None:
+            self._start(worker, now, horizon)
+
+    def _export_ended(self, state: _PairState, export: Request, now: float, horizon: float) -> None:
+        """The prefill worker is done: the transfer starts, or, if the prefill worker
+        could not run it, the decode worker gives the lease up and prefills itself."""
+        reservation = state.reservation
+        assert reservation is not None
+        decode = self.workers[state.decode_id]
+        if export.num_output_tokens == 0:
+            release(decode.kv_cache, state.request)
+            self._release_prefill(state, self._served_by[state.request.request_id][1])
+            self._run(decode, state.request, now, horizon)
+            return
+        state.prefill_cached = export.num_cached_tokens or 0
+        missing = (reservation.num_blocks - reservation.cached_blocks) * BLOCK_TOKENS
+        state.transfer_s = self._transfer.seconds(missing)
+        end = now + state.transfer_s
+        heapq.heappush(self._transfers, (end, self._order, state.request.request_id))
+        self._order += 1
+
+    def _transfer_ended(self, request_id: str, now: float, horizon: float) -> None:
+        """The KV is installed: the decode worker answers (the prefill guard goes) and
+        runs the request over its installed blocks."""
+        state = self._pairs[request_id]
+        decode = self.workers[state.decode_id]
+        install(decode.kv_cache, state.request)
+        self._release_prefill(state, self._served_by[request_id][1])
+        self._leased[state.decode_id].append(state.request)
+        self._run(decode, state.request, now, horizon)
+
+    def _release_admitted_leases(self, worker: SimWorker) -> None:
+        """A request that left the waiting queue pins its blocks itself: its lease goes."""
+        leased = self._leased.get(worker.worker_id)
+        if not leased:
+            return
+        waiting = [r for r in leased if r.status is RequestStatus.WAITING]
+        for request in leased:
+            if request.status is not RequestStatus.WAITING:
+                release(worker.kv_cache, request)
+        self._leased[worker.worker_id] = waiting
+
+    def _release_prefill(self, state: _PairState, replica: RouterReplica) -> None:
+        if state.prefill_id is not None and not state.prefill_released:
+            state.prefill_released = True
+            replica.adjust(state.prefill_id, -1, -state.request.num_prompt_tokens)
 
 
 def simulate(
