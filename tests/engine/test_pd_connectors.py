@@ -251,9 +251,56 @@ def test_a_lease_leaves_running_decodes_room_to_grow(tiny_model_dir: Path) -> No
     assert importer.growth_blocks() == 30 - decode.kv_cache.num_request_blocks("long")
     big = importer.reserve("big", BIG_PROMPT, now=0.0)
     assert not big.remote and len(importer.leases) == 0  # prefilled here instead
-    small = importer.reserve("small", PROMPT, now=0.0)  # 11 blocks: the room stays
+    small = importer.reserve("small", PROMPT, now=0.0, max_tokens=8)  # 11 + 3 blocks: room
     assert small.remote and len(importer.leases) == 1
     importer.release("small")
     assert run(decode)["long"] and decode.scheduler.stats.preemptions == 0
     assert importer.growth_blocks() == 0
-    assert importer.reserve("big-later", BIG_PROMPT, now=1.0).remote  # nothing runs now
+    assert importer.reserve("big-later", BIG_PROMPT, now=1.0, max_tokens=8).remote  # none runs
+
+
+LONG_LOCAL = BIG_PROMPT + PROMPT[:30]  # 151 tokens: 38 blocks, 40 with 8 generated
+
+
+def test_a_lease_leaves_the_waiting_and_its_own_sequence_room_to_finish(
+    tiny_model_dir: Path,
+) -> None:
+    """48 blocks. A local request waiting for 40 (151 + 8 tokens) leaves no lease of 11
+    that room; beside one waiting for 21, a lease of 11 whose sequence may grow to 37 is
+    refused, one that grows to 14 is not."""
+    decode = decode_engine(tiny_model_dir)
+    importer = decode.connector(PDImporter)
+    decode.add_request("waiting", LONG_LOCAL, GREEDY)
+    assert importer.growth_blocks() == 40
+    assert not importer.reserve("r", PROMPT, now=0.0, max_tokens=8).remote
+    decode.abort_request("waiting")
+    decode.add_request("shorter", BIG_PROMPT[:76], GREEDY)  # 21 blocks with 8 generated
+    assert not importer.reserve("r", PROMPT, now=0.0, max_tokens=100).remote  # 11 + 26 + 21
+    assert importer.reserve("r", PROMPT, now=0.0, max_tokens=8).remote  # 11 + 3 + 21
+    importer.release("r")
+
+
+def test_a_lease_handed_over_behind_a_long_prompt_does_not_starve_it(
+    engines: Engines,
+) -> None:
+    """The lease is granted, then a local prompt needing more than the lease leaves
+    arrives, then the leased request is handed over behind it: nothing runs and the
+    oldest request finds no room, so the one behind it (which holds its blocks) goes
+    first; then the long one. Before, both waited for ever."""
+    prefill, decode = engines
+    importer = decode.connector(PDImporter)
+    reservation = importer.reserve("leased", PROMPT, now=0.0, max_tokens=8)
+    assert reservation.remote
+    decode.add_request("long", LONG_LOCAL, GREEDY)  # 38 blocks; 37 are left beside the lease
+    for first_block, blocks in export(prefill, "x", 0, reservation.num_blocks).runs:
+        importer.install("leased", first_block, blocks, now=1.0)
+    decode.add_request("leased", reservation.token_ids, GREEDY)
+    outputs: dict[str, list[int]] = {}
+    for _ in range(200):  # a starved queue would step for ever doing nothing
+        for output in decode.step():
+            outputs.setdefault(output.request_id, []).extend(output.new_token_ids)
+        if not decode.has_unfinished_requests():
+            break
+    assert len(outputs["leased"]) == len(outputs["long"]) == 8
+    assert importer.num_reservations == 0 and decode.scheduler.stats.preemptions == 0
+    decode.kv_cache.check()

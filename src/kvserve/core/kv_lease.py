@@ -60,3 +60,24 @@ class LeaseTable:
 
     def next_deadline(self) -> float | None:
         return min((lease.deadline for lease in self._leases.values()), default=None)
+
+
+def blocks_to_finish(max_num_tokens: int, held_blocks: int, block_size: int) -> int:
+    """Blocks a sequence may still allocate before it reaches its longest length."""
+    return max(0, -(-max_num_tokens // block_size) - held_blocks)
+
+
+def lease_fits(
+    available_blocks: int, lease_blocks: int, lease_growth: int, others_growth: int
+) -> bool:
+    """Whether a decode worker may take a lease of ``lease_blocks`` new blocks whose
+    sequence will still grow by ``lease_growth``, when every other sequence it holds,
+    waiting or running, leased or not, may still grow by ``others_growth`` in all.
+
+    Leased blocks cannot be preempted, and a sequence handed over with its lease joins
+    the queue behind whatever arrived meanwhile: a lease granted only when everything
+    already there and the leased sequence itself can reach full length together is one
+    that cannot starve the queue ahead of it (the deadlock the simulator found: a long
+    local prompt at the head waiting for blocks pinned by the leases queued behind it).
+    """
+    return available_blocks - lease_blocks - lease_growth >= others_growth

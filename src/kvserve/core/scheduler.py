@@ -238,8 +238,15 @@ class Scheduler:
                 index += 1
                 continue
             admission = self._try_admit(request, plan)
-            if admission is _Admission.NO_ROOM:
+            if admission is _Admission.NO_ROOM and (self.running or index > 0):
                 return
+            if admission is _Admission.NO_ROOM:
+                # Nothing runs, yet the oldest request finds no room: blocks are pinned by
+                # requests behind it (a decode worker's leases, handed over after it
+                # queued). Rather than idle for ever, the first one behind that fits may
+                # go; the oldest keeps its place and goes once that one is done.
+                index += 1
+                continue
             if admission is _Admission.DEFERRED:
                 index += 1
                 continue

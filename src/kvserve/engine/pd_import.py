@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from kvserve.core.hashing import block_hashes, salted
-from kvserve.core.kv_lease import LeaseTable
+from kvserve.core.kv_lease import LeaseTable, blocks_to_finish, lease_fits
 from kvserve.core.request import Request, RequestStatus
 from kvserve.core.routing.pd_pair import PDConfig, prefill_remotely
 from kvserve.core.scheduler import SchedulerOutput
@@ -55,6 +55,7 @@ class _Reserved:
     hashes: list[int]
     next_block: int
     token_ids: list[int]  # the prompt's, for the stored events
+    max_num_tokens: int  # the longest the sequence may get: prompt + its max tokens
     request: Request | None = None  # the request that took the blocks over
 
 
@@ -87,11 +88,17 @@ class PDImporter(KVConnector):
         return len(self._reserved)
 
     def reserve(
-        self, lease_id: str, token_ids: list[int], now: float, cache_salt: str | None = None
+        self,
+        lease_id: str,
+        token_ids: list[int],
+        now: float,
+        cache_salt: str | None = None,
+        max_tokens: int | None = None,
     ) -> Reservation:
         """Match the prompt here and, if a prefill worker should compute the rest, hold
-        blocks for it under a lease. Raises :class:`InvalidRequestError` on a prompt
-        that leaves no room to generate."""
+        blocks for it under a lease. ``max_tokens`` (None: up to the context length) is
+        the request's, for the room its sequence will grow into. Raises
+        :class:`InvalidRequestError` on a prompt that leaves no room to generate."""
         if len(token_ids) >= self._max_model_len:
             raise InvalidRequestError(
                 "prompt", f"the prompt has {len(token_ids)} tokens; the context holds "
@@ -103,29 +110,42 @@ class PDImporter(KVConnector):
         namespace = salted(self._namespace, cache_salt)  # as the request's own chain
         hashes = block_hashes(token_ids[: num_blocks * block_size], block_size, namespace)
         key = _lease_key(lease_id)
+        room = self._max_model_len - len(token_ids)
+        max_num_tokens = len(token_ids) + (room if max_tokens is None else min(max_tokens, room))
         cached = cache.match_prefix(key, hashes)
         remote = prefill_remotely(len(token_ids), cached * block_size, self.pd_config)
-        remote = remote and self._leaves_room_to_grow(num_blocks - cached)
+        remote = remote and lease_fits(
+            cache.num_available_blocks,
+            num_blocks - cached,
+            blocks_to_finish(max_num_tokens, num_blocks, block_size),
+            self.growth_blocks(),
+        )
         if not (remote and cache.allocate_slots(key, num_blocks * block_size)):
             cache.free_request(key)  # prefill here; the scheduler queues it
             return Reservation(token_ids, num_blocks, cached, remote=False)
         self.leases.grant(lease_id, now, self.lease_ttl_s)
-        self._reserved[lease_id] = _Reserved(hashes, next_block=cached, token_ids=token_ids)
+        self._reserved[lease_id] = _Reserved(hashes, cached, token_ids, max_num_tokens)
         return Reservation(token_ids, num_blocks, cached, remote=True)
 
     def growth_blocks(self) -> int:
-        """Blocks the running sequences may still allocate, each up to its longest
-        possible length."""
+        """Blocks every sequence here may still allocate, each up to its longest possible
+        length: running and waiting requests (a waiting one holds nothing yet, or its
+        lease's blocks) and leases whose request has not come yet."""
         cache = self._cache
-        block_size = cache.block_size
-        return sum(
-            max(0, -(-r.max_num_tokens // block_size) - cache.num_request_blocks(r.request_id))
-            for r in self._requests.values()
-            if r.status is RequestStatus.RUNNING
-        )
-
-    def _leaves_room_to_grow(self, new_blocks: int) -> bool:
-        return self._cache.num_available_blocks - new_blocks >= self.growth_blocks()
+        size = cache.block_size
+        growth = 0
+        for request in self._requests.values():
+            if request.status is RequestStatus.FINISHED:
+                continue
+            held = cache.num_request_blocks(request.request_id)
+            if request.request_id in self._reserved:  # still pinned by its lease too
+                held = max(held, cache.num_request_blocks(_lease_key(request.request_id)))
+            growth += blocks_to_finish(request.max_num_tokens, held, size)
+        for lease_id, reserved in self._reserved.items():
+            if reserved.request is None:
+                leased = cache.num_request_blocks(_lease_key(lease_id))
+                growth += blocks_to_finish(reserved.max_num_tokens, leased, size)
+        return growth
 
     def install(self, lease_id: str, first_block: int, blocks: torch.Tensor, now: float) -> None:
         """Write a run of received blocks into the lease's blocks, then commit them."""

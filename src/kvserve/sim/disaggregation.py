@@ -4,8 +4,9 @@ transfer's time.
 The decode worker decides as the real one does (:class:`kvserve.engine.pd_import.PDImporter`,
 whose tensor side the simulator has no use for): it pins what its cache holds of the
 prompt's full blocks before the last token, applies the conditional rule exactly
-(:func:`kvserve.core.routing.pd_pair.prefill_remotely`) and refuses a lease that would
-leave its running sequences no room to grow; otherwise it allocates the remaining blocks
+(:func:`kvserve.core.routing.pd_pair.prefill_remotely`) and refuses a lease unless every
+sequence it holds and the leased one can all reach full length
+(:func:`kvserve.core.kv_lease.lease_fits`); otherwise it allocates the remaining blocks
 under ``lease:<request id>``. The blocks are committed (installed) when the transfer
 ends and the lease is let go once the request is admitted and pins them itself.
 
@@ -17,10 +18,11 @@ while later chunks compute, so this is the pessimistic end of the range).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from kvserve.core.kv_cache_manager import KVCacheManager
+from kvserve.core.kv_lease import blocks_to_finish, lease_fits
 from kvserve.core.request import Request, RequestStatus
 from kvserve.core.routing.pd_pair import PDConfig, prefill_remotely
 from kvserve.core.sampling_params import SamplingParams
@@ -38,28 +40,41 @@ class Reservation:
     cached_blocks: int  # of those, what the decode worker holds already
 
 
-def growth_blocks(cache: KVCacheManager, running: Sequence[Request]) -> int:
-    """Blocks the running sequences may still allocate, each up to its longest length."""
+def growth_blocks(cache: KVCacheManager, sequences: Iterable[Request]) -> int:
+    """Blocks ``sequences`` (queued or leased, on the decode worker of ``cache``) may still
+    allocate, each up to its longest length; a leased one holds its lease's blocks."""
     size = cache.block_size
     return sum(
-        max(0, -(-r.max_num_tokens // size) - cache.num_request_blocks(r.request_id))
-        for r in running
-        if r.status is RequestStatus.RUNNING
+        blocks_to_finish(
+            r.max_num_tokens,
+            max(
+                cache.num_request_blocks(r.request_id),
+                cache.num_request_blocks(lease_key(r.request_id)),
+            ),
+            size,
+        )
+        for r in sequences
+        if r.status is not RequestStatus.FINISHED
     )
 
 
 def reserve(
-    cache: KVCacheManager, request: Request, running: Sequence[Request], config: PDConfig
+    cache: KVCacheManager, request: Request, others_growth: int, config: PDConfig
 ) -> Reservation:
     """Match ``request``'s prompt in the decode worker's ``cache`` and, if a prefill worker
-    should compute the rest, hold the blocks for it under a lease."""
+    should compute the rest, hold the blocks for it under a lease; ``others_growth`` is
+    :func:`growth_blocks` of everything else the decode worker holds."""
     hashes = request.reusable_block_hashes()
     key = lease_key(request.request_id)
     cached = cache.match_prefix(key, hashes)
-    new_blocks = len(hashes) - cached
-    remote = prefill_remotely(request.num_prompt_tokens, cached * cache.block_size, config)
-    room = cache.num_available_blocks - new_blocks >= growth_blocks(cache, running)
-    if not (remote and room and cache.allocate_slots(key, len(hashes) * cache.block_size)):
+    size = cache.block_size
+    remote = prefill_remotely(request.num_prompt_tokens, cached * size, config) and lease_fits(
+        cache.num_available_blocks,
+        len(hashes) - cached,
+        blocks_to_finish(request.max_num_tokens, len(hashes), size),
+        others_growth,
+    )
+    if not (remote and cache.allocate_slots(key, len(hashes) * size)):
         cache.free_request(key)
         return Reservation(False, len(hashes), cached)
     return Reservation(True, len(hashes), cached)

@@ -64,6 +64,7 @@ from kvserve.core.scheduler import SchedulerConfig
 from kvserve.sim.disaggregation import (
     Reservation,
     TransferModel,
+    growth_blocks,
     install,
     prefill_request,
     release,
@@ -244,6 +245,8 @@ class Simulation:
         self._exports: dict[str, _PairState] = {}  # prefill workers' request id -> pair
         self._transfers: list[tuple[float, int, str]] = []  # (end time, order, request id)
         self._leased: dict[str, list[Request]] = {w: [] for w in self._decode_ids}
+        # leased, not yet queued on their decode worker: prefilling or in transfer
+        self._in_transfer: dict[str, list[Request]] = {w: [] for w in self._decode_ids}
 
     def run(
         self, trace: Sequence[TraceRequest], progress: Callable[[int], None] | None = None
@@ -451,11 +454,15 @@ class Simulation:
             return
         replica.adjust(prefill_id, 1, prompt)
         replica.adjust(decode_id, 1, 0)
-        reservation = reserve(decode.kv_cache, request, decode.scheduler.running, self.config.pd)
+        scheduler = decode.scheduler
+        holds = [*scheduler.running, *scheduler.waiting, *self._in_transfer[decode_id]]
+        growth = growth_blocks(decode.kv_cache, holds)
+        reservation = reserve(decode.kv_cache, request, growth, self.config.pd)
         if not reservation.remote:  # the decode worker prefills after all
             self._run(decode, request, now, horizon)
             return
         state.reservation = reservation
+        self._in_transfer[decode_id].append(request)
         export = prefill_request(request, reservation, _NAMESPACE, BLOCK_TOKENS)
         self._exports[export.request_id] = state
         self._run(self.workers[prefill_id], export, now, horizon)
@@ -476,6 +483,7 @@ class Simulation:
         assert reservation is not None
         decode = self.workers[state.decode_id]
         if export.num_output_tokens == 0:
+            self._in_transfer[state.decode_id].remove(state.request)
             release(decode.kv_cache, state.request)
             self._release_prefill(state, self._served_by[state.request.request_id][1])
             self._run(decode, state.request, now, horizon)
@@ -493,6 +501,7 @@ class Simulation:
         state = self._pairs[request_id]
         decode = self.workers[state.decode_id]
         install(decode.kv_cache, state.request)
+        self._in_transfer[state.decode_id].remove(state.request)
         self._release_prefill(state, self._served_by[request_id][1])
         self._leased[state.decode_id].append(state.request)
         self._run(decode, state.request, now, horizon)

@@ -83,7 +83,9 @@ class PDDecodeSession:
 
         def reserve(engine: LLMEngine) -> Reservation:
             token_ids = engine.prompt_token_ids(prompt)
-            return importer.reserve(request_id, token_ids, time.monotonic(), params.cache_salt)
+            return importer.reserve(
+                request_id, token_ids, time.monotonic(), params.cache_salt, params.max_tokens
+            )
 
         def release(_: LLMEngine) -> None:
             importer.release(request_id)
