@@ -101,3 +101,17 @@ def test_cli_runs_a_pd_fleet_and_reports_its_pools() -> None:
 def test_mixed_fleets_report_no_pd_figures() -> None:
     summary = summarize(simulate(conversations(3, 2, 1.0), "kv_aware", pd_config(0, 3)))
     assert summary.pd_remote_share is None and summary.pd_transfer_mean_s is None
+
+
+def test_a_request_handed_over_mid_decode_run_joins_at_once() -> None:
+    """The decode worker is in a long decode run when a transferred request arrives: the
+    run is planned only up to the transfer's end, so the newcomer's first token comes
+    after its prefill and transfer, not after the other request's 2,000 tokens."""
+    trace = [
+        TraceRequest("long", 0.0, 2 * BLOCK_TOKENS - 100, 2000, (1, 2)),
+        TraceRequest("new", 0.5, 2 * BLOCK_TOKENS - 100, 4, (3, 4)),
+    ]
+    result = simulate(trace, "round_robin", pd_config(1, 1, transfer_gbps=12.5))
+    new = next(r for r in result.records if r.arrival_s == 0.5)
+    assert new.prefill_worker_id == "p0" and new.first_token_s is not None
+    assert new.first_token_s - new.arrival_s < 0.2  # the long run lasts about 4 s

@@ -288,7 +288,17 @@ class Simulation:
         )
 
     def _horizon(self, trace: Sequence[TraceRequest], next_arrival: int) -> float:
-        return trace[next_arrival].arrival_s if next_arrival < len(trace) else float("inf")
+        """The earliest a request may join a worker's queue: the next arrival, and in a PD
+        fleet also the next transfer's end, or a prefill step's end (a transfer starts,
+        ending no sooner than its latency, or the decode worker falls back at once). A
+        decode run planned past it would keep that request waiting for the run's end."""
+        arrival = trace[next_arrival].arrival_s if next_arrival < len(trace) else float("inf")
+        if not self._prefill_ids:
+            return arrival
+        transfer = self._transfers[0][0] if self._transfers else float("inf")
+        prefill_ends = (self.workers[w].busy_until for w in self._prefill_ids)
+        prefill = min((t for t in prefill_ends if t is not None), default=float("inf"))
+        return min(arrival, transfer, prefill)
 
     def _arrive(
         self, spec: TraceRequest, now: float, trace: Sequence[TraceRequest], next_arrival: int
@@ -357,7 +367,6 @@ class Simulation:
         self, worker: SimWorker, now: float, trace: Sequence[TraceRequest], next_arrival: int
     ) -> None:
         result = worker.finish_step()
-        horizon = self._horizon(trace, next_arrival)
         touched: dict[int, RouterReplica] = {}
         for request in result.first_tokens:
             if request.request_id in self._exports:
@@ -368,7 +377,7 @@ class Simulation:
         for request in result.finished:
             state = self._exports.pop(request.request_id, None)
             if state is not None:
-                self._export_ended(state, request, now, horizon)
+                self._export_ended(state, request, now, self._horizon(trace, next_arrival))
                 continue
             replica = self._record(request, now)
             touched[id(replica)] = replica
@@ -379,6 +388,7 @@ class Simulation:
             events = worker.new_events()
             for replica in self.replicas:
                 replica.policy.observe_events(worker.worker_id, events)
+        horizon = self._horizon(trace, next_arrival)  # transfers started above count
         # With one shared cache a worker may have waited for blocks another one freed.
         waiting = self.workers.values() if self._shared_cache else (worker,)
         for candidate in waiting:
