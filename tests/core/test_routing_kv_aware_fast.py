@@ -193,3 +193,23 @@ def test_the_lightest_queue_is_found_behind_a_drained_worker_further_in_both_ord
     routing.queue.push("a", 0.9, now=0.0)
     routing.queue.push("c", 0.45, now=0.0)
     assert routing.best(loads, [], 10, BLOCK, now=0.5).worker_id == "c"
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    fleet=st.lists(shared, min_size=20, max_size=80),
+    prompt_blocks=st.integers(1, 12),
+    now=st.floats(0.0, 0.8),
+)
+def test_a_large_group_of_holders_reduces_to_its_lightest(
+    fleet: list[tuple[int, int, int, float | None, int]], prompt_blocks: int, now: float
+) -> None:
+    """Groups of tens of holders sharing one match, their lightest found from the load
+    terms the load order keeps: the choice is still the reference's."""
+    routing, loads = build(
+        [
+            (requests, tokens, [(depth, "device", False)] if depth else [], queued, 0, others)
+            for requests, tokens, depth, queued, others in fleet
+        ]
+    )
+    assert_fast_equals_exhaustive(routing, loads, PROMPT[:prompt_blocks], now)

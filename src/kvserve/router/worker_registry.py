@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import heapq
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -30,6 +31,15 @@ class Worker:
     waiting_for_answer: set[AnswerWatch] = field(default_factory=set, repr=False)
     _streak_ok: int = field(default=0, repr=False)
     _streak_failed: int = field(default=0, repr=False)
+    # Called when ``healthy`` is set (the registry's accepting lists may change).
+    on_health_change: Callable[[], None] | None = field(default=None, repr=False, compare=False)
+
+    def __setattr__(self, name: str, value: object) -> None:
+        object.__setattr__(self, name, value)
+        if name == "healthy":
+            notify = getattr(self, "on_health_change", None)
+            if notify is not None:
+                notify()
 
     def accepts_traffic(self, now: float) -> bool:
         return bool(self.healthy) and self.breaker.allows(now)
@@ -87,13 +97,22 @@ class Worker:
 
 
 class WorkerRegistry:
-    """Workers by stable id (``w0``, ``w1``, ... in order of arrival; never reused)."""
+    """Workers by stable id (``w0``, ``w1``, ... in order of arrival; never reused).
+
+    Each pool's accepting workers are kept between requests rather than rebuilt from the
+    whole fleet each time: the list is dropped when a worker joins or leaves, its health
+    is set, or its breaker opens or stops being open. The one change no call announces,
+    an open breaker's time running out, is found from a heap of reopening times looked
+    at per request (nothing to do unless one is due).
+    """
 
     def __init__(self, breaker_config: CircuitBreakerConfig) -> None:
         self._breaker_config = breaker_config
         self._workers: dict[str, Worker] = {}
         self._ids_by_url: dict[str, str] = {}
         self._next_index = 0
+        self._accepting: dict[str, list[Worker]] = {}  # by pool; empty: all to rebuild
+        self._reopenings: list[tuple[float, str]] = []  # (open breaker's end, worker id)
 
     def add(self, url: str, pool: str = "regular", kv_events: KVEventSource = None) -> Worker:
         url = url.rstrip("/")
@@ -106,12 +125,22 @@ class WorkerRegistry:
         self._next_index += 1
         self._workers[worker.worker_id] = worker
         self._ids_by_url[url] = worker.worker_id
+        worker.on_health_change = self._accepting.clear
+        breaker.on_open_change = lambda: self._breaker_changed(worker)
+        self._accepting.clear()
         return worker
 
     def remove(self, worker_id: str) -> Worker:
         worker = self._workers.pop(worker_id)
         del self._ids_by_url[worker.url]
+        worker.on_health_change = worker.breaker.on_open_change = None
+        self._accepting.clear()
         return worker
+
+    def _breaker_changed(self, worker: Worker) -> None:
+        self._accepting.clear()
+        if worker.breaker.state is BreakerState.OPEN:
+            heapq.heappush(self._reopenings, (worker.breaker.reopens_at, worker.worker_id))
 
     def get(self, worker_id: str) -> Worker | None:
         return self._workers.get(worker_id)
@@ -124,9 +153,19 @@ class WorkerRegistry:
         return list(self._workers.values())
 
     def accepting(self, now: float, pool: str, exclude: Iterable[str] = ()) -> list[Worker]:
+        """The pool's workers that take traffic at ``now``, in order of arrival."""
+        reopenings = self._reopenings
+        while reopenings and reopenings[0][0] <= now:
+            _, worker_id = heapq.heappop(reopenings)
+            worker = self._workers.get(worker_id)
+            if worker is not None:
+                worker.breaker.allows(now)  # turns half-open if its time is up
+        accepting = self._accepting.get(pool)
+        if accepting is None:
+            accepting = self._accepting[pool] = [
+                w for w in self._workers.values() if w.pool == pool and w.accepts_traffic(now)
+            ]
         skipped = set(exclude)
-        return [
-            w
-            for w in self._workers.values()
-            if w.pool == pool and w.worker_id not in skipped and w.accepts_traffic(now)
-        ]
+        if not skipped:
+            return list(accepting)
+        return [w for w in accepting if w.worker_id not in skipped]

@@ -86,6 +86,11 @@ from kvserve.core.routing.load_order import LoadOrder
 from kvserve.core.routing.types import TakeBack, WorkerLoad
 
 _NO_MATCH = WorkerMatch({})
+# Holders sharing one match, from which number on the lightest come from LoadOrder, not a scan.
+_ORDERED_GROUP = 16
+# Entries of LoadOrder a group's walk may pass per member before the scan is cheaper
+# (a membership test against a load term computed in Python).
+_WALK_STEPS_PER_MEMBER = 30
 
 
 @dataclass(frozen=True, slots=True)
@@ -357,16 +362,16 @@ class KvAwareRouting:
         module docstring); a worker not seen before is learnt from ``workers``.
         """
         by_id = {w.worker_id: w for w in workers}
-        for worker_id in by_id.keys() - self.loads.known:
-            self.loads.update(by_id[worker_id])
-        matches = {
-            w: match
-            for w, match in self.index.match_holders(block_hashes, now).items()
-            if w in by_id
-        }
+        known = self.loads.known
+        if not by_id.keys() <= known:  # a subset test allocates nothing; rarely false
+            for worker_id in by_id.keys() - known:
+                self.loads.update(by_id[worker_id])
+        matches = self.index.match_holders(block_hashes, now)
+        if not matches.keys() <= by_id.keys():
+            matches = {w: match for w, match in matches.items() if w in by_id}
         tie_key = block_hashes[-1] if block_hashes else prompt_tokens
         candidates = [
-            *self._lightest_holders(matches, by_id, now),
+            *self._lightest_holders(matches, now),
             *self.loads.lightest(by_id, matches, now, tie_key),
         ]
         scored = [
@@ -400,45 +405,22 @@ class KvAwareRouting:
         held = {w.worker_id: self.index.num_blocks(w.worker_id) for w, _, c in scored if c}
         return self.future.weight(base, scored, held, block_size, prompt_tokens, now)
 
-    def _lightest_holders(
-        self, matches: Mapping[str, WorkerMatch], by_id: Mapping[str, WorkerLoad], now: float
-    ) -> list[str]:
+    def _lightest_holders(self, matches: Mapping[str, WorkerMatch], now: float) -> list[str]:
         """The holders worth predicting. Holders with the same match (blocks per tier)
         differ only by their load term, so where many share one (a popular system
         prompt, speculated wherever it was routed) only the lightest of them can win:
-        one pass over the group for the load term alone, not a prediction each.
-        Groups are the matches :meth:`KVBlockIndex.match_holders` shares (every holder
-        wholly on device to one depth); one with a host or storage block is alone.
-        Holders tied in (load term, sort key) all stay, for :func:`_choose` to break.
+        one pass over the group for the load term :class:`LoadOrder` keeps, not a
+        prediction each. Groups are the matches :meth:`KVBlockIndex.match_holders`
+        shares (every holder wholly on device to one depth); one with a host or storage
+        block is alone. Holders tied in (load term, sort key) all stay, for
+        :func:`_choose` to break.
         """
         groups: dict[int, list[str]] = {}  # by the shared match's identity
         for worker_id, match in matches.items():
             groups.setdefault(id(match), []).append(worker_id)
         chosen: list[str] = []
-        queued_s, config = self.queue.queued_s, self.config
-        token_s, pair_s = config.prefill_token_s, config.attention_pair_s
         for group in groups.values():
-            if len(group) < 3:
-                chosen += group
-                continue
-            best: tuple[float, int, int] | None = None
-            lightest: list[str] = []
-            for worker_id in group:
-                load = by_id[worker_id]
-                held, others = load.in_flight_prefill_tokens, load.others_prefill_tokens
-                # _load_term inlined (prefill_s with nothing cached): the hot loop
-                guarded_s = held * token_s + held * ((held + 1) / 2) * pair_s
-                term = min(queued_s(worker_id, now), guarded_s) + (
-                    load.in_flight_requests * config.decode_request_s
-                )
-                if others:
-                    term += config.prefill_s(others)
-                key = (round(term, 9), *load.sort_key)
-                if best is None or key < best:
-                    best, lightest = key, [worker_id]
-                elif key == best:
-                    lightest.append(worker_id)
-            chosen += lightest
+            chosen += group if len(group) < 3 else self.loads.lightest_among(group, now)
         return chosen
 
     def expect_prefill(

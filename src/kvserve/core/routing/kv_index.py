@@ -214,9 +214,9 @@ class KVBlockIndex:
         unless a ``stored`` event confirms them first."""
         pending = self._speculative.setdefault(worker_id, {})
         bit = _bit(self._slot(worker_id), "device")
-        speculative_holders = self._speculative_holders
+        speculative_holders, holders = self._speculative_holders, self._holders
         for block_hash in block_hashes:
-            if not self.holds(worker_id, block_hash):
+            if not _mask(holders.get(block_hash, 0)) & bit:  # not confirmed on device
                 pending[block_hash] = deadline
                 speculative_holders[block_hash] = speculative_holders.get(block_hash, 0) | bit
                 heapq.heappush(self._deadlines, (deadline, worker_id, block_hash))
