@@ -116,3 +116,61 @@ def test_kernel_shared_prefixes(dtype, window, heads, kv_heads, block_size):
     expected = reference(q, pool, tables_t, sequences, window, scale)
     tolerance = 1e-5 if dtype == torch.float32 else 1.6e-2
     torch.testing.assert_close(ours.double(), expected, atol=tolerance, rtol=tolerance)
+
+
+def unshare(pool, tables):
+    """The same contexts with every table's blocks copied to blocks of its own: the kernel's
+    plain per-sequence path over identical keys and values."""
+    copies = [pool[b] for row in tables.tolist() for b in row]
+    fresh = torch.cat([pool, torch.stack(copies)])
+    width = tables.shape[1]
+    new_tables = torch.arange(len(copies)).view(-1, width) + pool.shape[0]
+    return fresh, new_tables
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("heads", "kv_heads", "block_size"), [(8, 2, 4), (16, 8, 16), (6, 6, 8)])
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_kernel_prefill_cascade(dtype, heads, kv_heads, block_size, seed):
+    """Prefill chunks (and decodes) resuming after a cached prefix whose leading blocks they
+    share: the prefix is read once for all their new tokens, tiles of rows taken across the
+    sequences, then each goes on over its own blocks. Random prefix lengths (whole and
+    partial blocks), chunk lengths shorter and longer than a tile, several groups; checked
+    against naive attention and against the plain path on the same data unshared."""
+    assert paged_kernel.load(), "the paged kernel did not build (see test_kernel_builds)"
+    rng = random.Random(seed * 1000 + heads * block_size)
+    head_dim, num_blocks = 32, 400
+    pool = torch.randn(num_blocks, block_size, 2 * kv_heads, head_dim).to(dtype)
+    free = rng.sample(range(num_blocks), num_blocks)
+    shapes = []  # (start_pos, num_new, leading shared blocks, whose)
+    for _ in range(rng.randint(1, 3)):
+        prefix_blocks = rng.randint(1, 12)
+        prefix = [free.pop() for _ in range(prefix_blocks)]
+        for _ in range(rng.randint(2, 6)):
+            shared = rng.randint(1, prefix_blocks)
+            # A start inside its last shared block, at its end or past it (a partial block).
+            start = shared * block_size - 1 + rng.randint(0, block_size + 3)
+            num_new = rng.choice([1, 1, rng.randint(2, 9), rng.randint(20, 300)])
+            shapes.append((start, num_new, shared, prefix))
+    shapes.append((rng.randint(0, 40), rng.randint(1, 50), 0, []))  # shares nothing
+    rng.shuffle(shapes)
+    width = max(-(-(s + n) // block_size) for s, n, _, _ in shapes)
+    tables, rows, first = [], [], 0
+    for start, num_new, shared, whose in shapes:
+        used = -(-(start + num_new) // block_size)
+        table = whose[:shared] + [free.pop() for _ in range(used - shared)]
+        tables.append(table + [free[-1]] * (width - used))
+        rows.append((start, num_new, first))
+        first += num_new
+    tables_t, sequences = torch.tensor(tables), torch.tensor(rows)
+    qkv = torch.randn(first, heads + 2 * kv_heads, head_dim).to(dtype)
+    q, scale = qkv[:, :heads], head_dim**-0.5
+    ours = torch.ops.kvserve_kernels.paged_attention(q, pool, tables_t, sequences, 0, scale)
+    plain_pool, plain_tables = unshare(pool, tables_t)
+    plain = torch.ops.kvserve_kernels.paged_attention(
+        q, plain_pool, plain_tables, sequences, 0, scale
+    )
+    expected = reference(q, pool, tables_t, sequences, 0, scale)
+    tolerance = 1e-5 if dtype == torch.float32 else 1.6e-2
+    torch.testing.assert_close(ours.double(), expected, atol=tolerance, rtol=tolerance)
+    torch.testing.assert_close(ours.double(), plain.double(), atol=tolerance, rtol=tolerance)

@@ -7,9 +7,10 @@
 // many rows (prefill) take keys a chunk of whole blocks at a time into a small float
 // buffer that stays in cache, and both products run as BLAS GEMMs on it (scores = Q K^T,
 // then out += P V); tiles of few rows read each key and value straight from its slot. A
-// decode (one new token) is one item over all its heads, reading each slot whole. Decodes
-// whose block tables start with the same blocks (a shared prompt prefix) read those blocks
-// once for all of them, as GEMMs, before each goes on over its own blocks (cascade
+// decode (one new token) is one item over all its heads, reading each slot whole. Sequences
+// (decodes and prefill chunks alike) whose block tables start with the same blocks (a shared
+// prompt prefix) read those blocks once for all their new tokens, as GEMMs over tiles of
+// rows taken across the sequences, before each goes on over its own blocks (cascade
 // attention: the prefix's softmax state is where each sequence's own pass starts).
 // Softmax is online (running max and sum per row), in float32 whatever the storage dtype.
 // Threads come from ATen's intra-op pool (torch.set_num_threads), the same threads
@@ -78,11 +79,13 @@ template <typename scalar_t>
 void attend_rows_direct(const float* query, int64_t rows, int64_t group,
                         const scalar_t* pool, int64_t block_size, int64_t slot_stride,
                         int64_t kv_heads, int64_t head_dim, const int64_t* table,
-                        int64_t first_position, int64_t kv_head, int64_t window,
-                        float* acc, float* row_max, float* row_sum, float* scores) {
+                        int64_t first_position, int64_t first_block, int64_t kv_head,
+                        int64_t window, float* acc, float* row_max, float* row_sum,
+                        float* scores) {
   const int64_t last_position = first_position + (rows - 1) / group;
   const int64_t lowest_key = window > 0 ? std::max<int64_t>(0, first_position - window + 1) : 0;
-  for (int64_t block = lowest_key / block_size; block <= last_position / block_size; ++block) {
+  for (int64_t block = std::max(first_block, lowest_key / block_size);
+       block <= last_position / block_size; ++block) {
     const scalar_t* slots = pool + table[block] * block_size * slot_stride;
     const int64_t block_start = block * block_size;
     for (int64_t r = 0; r < rows; ++r) {
@@ -186,23 +189,27 @@ void attend_rows_gemm(int64_t rows, const scalar_t* pool, int64_t block_size,
   }
 }
 
-// Per sequence and query head, the softmax state after a shared prefix: the unnormalized
+// Per new token and query head, the softmax state after a shared prefix: the unnormalized
 // output, then the running max and sum (kStateExtra floats).
 constexpr int64_t kStateExtra = 2;
+// Rows per shared-prefix work item: enough that each converted key chunk serves many rows,
+// few enough that the scores ([rows, kKeyChunk] floats) stay in L2.
+constexpr int64_t kPrefixRows = 256;
 
-// A shared prefix ("cascade" attention): decodes whose block tables start with the same
-// `blocks` blocks, every key of which they all see. One work item per (prefix, KV head)
-// reads each of those blocks once for all its members' query heads (rows: member-major,
-// then the heads of the group), as GEMMs, and leaves each row's state in `states`
-// ([N, heads, head_dim + kStateExtra]); each member's own item goes on from there.
+// A shared prefix ("cascade" attention): sequences whose block tables start with the same
+// `blocks` blocks, every key of which all their new tokens see. One work item per (prefix,
+// KV head, tile of the prefix's new tokens) reads each of those blocks once for all the
+// tile's query rows (token-major, then the heads of the group), whichever sequences the
+// tokens belong to, as GEMMs, and leaves each row's state in `states` ([T, heads, head_dim +
+// kStateExtra]); each sequence's own items go on from there.
 template <typename scalar_t>
-void attend_shared_prefix(const std::vector<int64_t>& members, int64_t blocks,
+void attend_shared_prefix(const int64_t* tokens, int64_t num_tokens, int64_t blocks,
                           const scalar_t* q, int64_t q_token_stride, int64_t q_head_stride,
-                          const int64_t* seq, const scalar_t* pool, int64_t block_size,
-                          int64_t slot_stride, int64_t kv_heads, int64_t head_dim,
-                          const int64_t* table, int64_t group, int64_t kv_head, float scale,
-                          float* states, Buffers& buf) {
-  const int64_t rows = static_cast<int64_t>(members.size()) * group;
+                          const scalar_t* pool, int64_t block_size, int64_t slot_stride,
+                          int64_t kv_heads, int64_t head_dim, const int64_t* table,
+                          int64_t group, int64_t kv_head, float scale, float* states,
+                          Buffers& buf) {
+  const int64_t rows = num_tokens * group;
   const int64_t chunk_blocks = std::max<int64_t>(1, kKeyChunk / block_size);
   buf.query.resize(rows * head_dim);
   buf.acc.assign(rows * head_dim, 0.0f);
@@ -211,8 +218,7 @@ void attend_shared_prefix(const std::vector<int64_t>& members, int64_t blocks,
   buf.scores.resize(rows * chunk_blocks * block_size);
   for (int64_t r = 0; r < rows; ++r) {
     const int64_t head = kv_head * group + r % group;
-    const int64_t token = seq[members[r / group] * 3 + 2];
-    const scalar_t* src = q + token * q_token_stride + head * q_head_stride;
+    const scalar_t* src = q + tokens[r / group] * q_token_stride + head * q_head_stride;
     float* dst = buf.query.data() + r * head_dim;
     for (int64_t d = 0; d < head_dim; ++d) dst[d] = to_float(src[d]) * scale;
   }
@@ -224,7 +230,7 @@ void attend_shared_prefix(const std::vector<int64_t>& members, int64_t blocks,
   const int64_t heads = kv_heads * group, state_size = head_dim + kStateExtra;
   for (int64_t r = 0; r < rows; ++r) {
     const int64_t head = kv_head * group + r % group;
-    float* state = states + (members[r / group] * heads + head) * state_size;
+    float* state = states + (tokens[r / group] * heads + head) * state_size;
     std::copy_n(buf.acc.data() + r * head_dim, head_dim, state);
     state[head_dim] = buf.row_max[r];
     state[head_dim + 1] = buf.row_sum[r];
@@ -338,7 +344,7 @@ void attend_tile(const scalar_t* q, int64_t q_token_stride, int64_t q_head_strid
                  int64_t kv_heads, int64_t head_dim, const int64_t* table,
                  int64_t first_position, int64_t num_queries, int64_t group, int64_t kv_head,
                  int64_t window, float scale, scalar_t* out, int64_t out_token_stride,
-                 Buffers& buf) {
+                 const float* state, int64_t state_blocks, Buffers& buf) {
   const int64_t rows = num_queries * group;
   const int64_t chunk_blocks = std::max<int64_t>(1, kKeyChunk / block_size);
   const int64_t chunk_keys = chunk_blocks * block_size;
@@ -348,16 +354,26 @@ void attend_tile(const scalar_t* q, int64_t q_token_stride, int64_t q_head_strid
   buf.row_sum.assign(rows, 0.0f);
   buf.scores.resize(rows * std::max(chunk_keys, block_size));
   // Row r is query token r / group, head kv_head * group + r % group; scaled once here.
+  // `state`: the tile's first token's softmax states after a shared prefix ([tokens, heads,
+  // head_dim + kStateExtra]) covering `state_blocks` blocks, or null and 0.
+  const int64_t heads = kv_heads * group;
   for (int64_t r = 0; r < rows; ++r) {
-    const scalar_t* src = q + (r / group) * q_token_stride + (kv_head * group + r % group) * q_head_stride;
+    const int64_t head = kv_head * group + r % group;
+    const scalar_t* src = q + (r / group) * q_token_stride + head * q_head_stride;
     float* dst = buf.query.data() + r * head_dim;
     for (int64_t d = 0; d < head_dim; ++d) dst[d] = to_float(src[d]) * scale;
+    if (state != nullptr) {
+      const float* own = state + ((r / group) * heads + head) * (head_dim + kStateExtra);
+      std::copy_n(own, head_dim, buf.acc.data() + r * head_dim);
+      buf.row_max[r] = own[head_dim];
+      buf.row_sum[r] = own[head_dim + 1];
+    }
   }
   if (rows <= kMaxDirectRows) {
     attend_rows_direct<scalar_t>(buf.query.data(), rows, group, pool, block_size, slot_stride,
-                                 kv_heads, head_dim, table, first_position, kv_head, window,
-                                 buf.acc.data(), buf.row_max.data(), buf.row_sum.data(),
-                                 buf.scores.data());
+                                 kv_heads, head_dim, table, first_position, state_blocks,
+                                 kv_head, window, buf.acc.data(), buf.row_max.data(),
+                                 buf.row_sum.data(), buf.scores.data());
   } else {
     // Row r is token first_position + r / group: causal, and within the window if any.
     const auto visible = [&](int64_t r, int64_t key_start, int64_t keys) {
@@ -370,7 +386,7 @@ void attend_tile(const scalar_t* q, int64_t q_token_stride, int64_t q_head_strid
     const int64_t lowest_key =
         window > 0 ? std::max<int64_t>(0, first_position - window + 1) : 0;
     attend_rows_gemm<scalar_t>(rows, pool, block_size, slot_stride, kv_heads, head_dim, table,
-                               lowest_key / block_size,
+                               std::max(state_blocks, lowest_key / block_size),
                                last_position / block_size + 1, kv_head, visible, buf);
   }
   for (int64_t r = 0; r < rows; ++r) {
@@ -384,19 +400,21 @@ void attend_tile(const scalar_t* q, int64_t q_token_stride, int64_t q_head_strid
 struct SharedPrefix {
   std::vector<int64_t> members;  // sequences (rows of `sequences`)
   int64_t blocks;                // leading table entries they share, all keys visible to all
+  std::vector<int64_t> tokens;   // the members' new tokens (indices into q)
 };
 
-// Decodes (one new token) whose tables begin with the same blocks, grouped by their first
-// block: each group shares the longest run of leading blocks common to all its members,
-// up to the last block every member sees whole. Groups of one, or sharing no whole block,
-// are left to the per-sequence items.
+// Sequences whose tables begin with the same blocks, grouped by their first block: each
+// group shares the longest run of leading blocks common to all its members, up to the last
+// block that every new token of every member sees whole (those before each member's first
+// new token, its own block included when that token ends it). Groups of one, or sharing no
+// whole block, are left to the per-sequence items.
 std::vector<SharedPrefix> shared_prefixes(const int64_t* seq, int64_t num_sequences,
                                           const at::Tensor& tables, int64_t block_size) {
   const int64_t width = tables.size(1);
   const int64_t* table = tables.data_ptr<int64_t>();
   std::map<int64_t, std::vector<int64_t>> by_first_block;
   for (int64_t n = 0; n < num_sequences; ++n)
-    if (seq[n * 3 + 1] == 1 && seq[n * 3] + 1 >= block_size)
+    if (seq[n * 3] + 1 >= block_size)
       by_first_block[table[n * width]].push_back(n);
   std::vector<SharedPrefix> prefixes;
   for (auto& [block, members] : by_first_block) {
@@ -410,7 +428,11 @@ std::vector<SharedPrefix> shared_prefixes(const int64_t* seq, int64_t num_sequen
       while (common < blocks && own[common] == lead[common]) ++common;
       blocks = common;
     }
-    if (blocks > 0) prefixes.push_back({std::move(members), blocks});
+    if (blocks == 0) continue;
+    std::vector<int64_t> tokens;
+    for (int64_t n : members)
+      for (int64_t t = 0; t < seq[n * 3 + 1]; ++t) tokens.push_back(seq[n * 3 + 2] + t);
+    prefixes.push_back({std::move(members), blocks, std::move(tokens)});
   }
   return prefixes;
 }
@@ -457,12 +479,18 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& pool, const at
       window > 0 ? std::vector<SharedPrefix>()
                  : shared_prefixes(seq, num_sequences, tables, block_size);
   std::vector<int64_t> prefix_blocks(num_sequences, 0);
-  for (const SharedPrefix& prefix : prefixes)
-    for (int64_t n : prefix.members) prefix_blocks[n] = prefix.blocks;
-  const int64_t sequence_state = heads * (head_dim + kStateExtra);
-  std::vector<float> states(prefixes.empty() ? 0 : num_sequences * sequence_state);
+  // Shared-prefix work items: (prefix, first of its tokens in the item), then the KV head.
+  const int64_t prefix_tile = std::max<int64_t>(1, kPrefixRows / group);
+  std::vector<std::pair<int64_t, int64_t>> prefix_tiles;
+  for (int64_t p = 0; p < static_cast<int64_t>(prefixes.size()); ++p) {
+    for (int64_t n : prefixes[p].members) prefix_blocks[n] = prefixes[p].blocks;
+    for (int64_t t = 0; t < static_cast<int64_t>(prefixes[p].tokens.size()); t += prefix_tile)
+      prefix_tiles.emplace_back(p, t);
+  }
+  const int64_t token_state = heads * (head_dim + kStateExtra);
+  std::vector<float> states(prefixes.empty() ? 0 : q.size(0) * token_state);
   const int64_t num_items = static_cast<int64_t>(item_sequence.size());
-  const int64_t num_prefix_items = static_cast<int64_t>(prefixes.size()) * kv_heads;
+  const int64_t num_prefix_items = static_cast<int64_t>(prefix_tiles.size()) * kv_heads;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_attention", [&] {
     const scalar_t* q_data = q.data_ptr<scalar_t>();
     const scalar_t* pool_data = pool.data_ptr<scalar_t>();
@@ -472,10 +500,13 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& pool, const at
       at::parallel_for(0, num_prefix_items, 1, [&](int64_t begin, int64_t end) {
         Buffers buffers;
         for (int64_t item = begin; item < end; ++item) {
-          const SharedPrefix& prefix = prefixes[item / kv_heads];
+          const auto [p, first_token] = prefix_tiles[item / kv_heads];
+          const SharedPrefix& prefix = prefixes[p];
+          const int64_t count = std::min<int64_t>(
+              prefix_tile, static_cast<int64_t>(prefix.tokens.size()) - first_token);
           attend_shared_prefix<scalar_t>(
-              prefix.members, prefix.blocks, q_data, q.stride(0), q.stride(1), seq, pool_data,
-              block_size, pool.stride(1), kv_heads, head_dim,
+              prefix.tokens.data() + first_token, count, prefix.blocks, q_data, q.stride(0),
+              q.stride(1), pool_data, block_size, pool.stride(1), kv_heads, head_dim,
               table_data + prefix.members[0] * width, group, item % kv_heads,
               static_cast<float>(scale), states.data(), buffers);
         }
@@ -487,9 +518,9 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& pool, const at
         const int64_t n = item_sequence[item], tile = item_tile[item], kv_head = item_kv_head[item];
         const int64_t start = seq[n * 3], num_new = seq[n * 3 + 1], first = seq[n * 3 + 2];
         const int64_t count = std::min(kQueryTile, num_new - tile);
+        const float* prefix_state =
+            prefix_blocks[n] > 0 ? states.data() + (first + tile) * token_state : nullptr;
         if (kv_head < 0) {
-          const float* prefix_state =
-              prefix_blocks[n] > 0 ? states.data() + n * sequence_state : nullptr;
           const auto decode = head_dim == 64    ? attend_decode<scalar_t, 64>
                               : head_dim == 128 ? attend_decode<scalar_t, 128>
                                                 : attend_decode<scalar_t, 0>;
@@ -504,7 +535,7 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& pool, const at
                               table_data + n * width, start + tile, count, group, kv_head,
                               window, static_cast<float>(scale),
                               out_data + (first + tile) * heads * head_dim, heads * head_dim,
-                              buffers);
+                              prefix_state, prefix_blocks[n], buffers);
       }
     });
   });
