@@ -147,7 +147,13 @@ class Simulation:
         ids = [f"w{i}" for i in range(config.num_workers)]
         announce = config.announce_delay_s is not None and config.router_replicas > 1
         self.replicas = [
-            RouterReplica(build_policy(policy_name, config), ids, f"r{i}", announce)
+            RouterReplica(
+                build_policy(policy_name, config),
+                ids,
+                f"r{i}",
+                announce,
+                one_of_several=config.router_replicas > 1,
+            )
             for i in range(config.router_replicas)
         ]
         scheduler_config = SchedulerConfig(config.max_num_batched_tokens, config.max_num_seqs)

@@ -73,7 +73,7 @@ candidates, not the whole fleet.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Container, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -83,9 +83,22 @@ from kvserve.core.cost_model import CostModel
 from kvserve.core.routing.future_cost import FutureCost, HolderPressure
 from kvserve.core.routing.kv_index import KVBlockIndex, WorkerMatch
 from kvserve.core.routing.load_order import LoadOrder
+from kvserve.core.routing.tie_breaking import ReplicaSalt
 from kvserve.core.routing.types import TakeBack, WorkerLoad
 
 _NO_MATCH = WorkerMatch({})
+# With a replica's salt: walks of the load orders for candidates (each adds up to three)
+SALTED_LOAD_ROUNDS = 4
+
+
+class _Either:
+    """In either of two containers (no copy of either)."""
+
+    def __init__(self, first: Container[str], second: Container[str]) -> None:
+        self._first, self._second = first, second
+
+    def __contains__(self, item: object) -> bool:
+        return item in self._first or item in self._second
 
 
 @dataclass(frozen=True, slots=True)
@@ -123,6 +136,11 @@ class KvAwareConfig:
     retention_window_s: float = 60.0
     # (block, holder) entries the index keeps; None: unbounded (see KVBlockIndex)
     index_max_entries: int | None = None
+    # With router replicas only: each adds its own fixed offset in [0, this) per worker
+    # to the scores, so that near-equal choices differ across replicas (see
+    # :class:`~kvserve.core.routing.tie_breaking.ReplicaSalt`; the value by measurement,
+    # docs/benchmarks.md "Router replicas announcing their routing"). One router: unused.
+    replica_spread_s: float = 0.02
 
     def __post_init__(self) -> None:
         values = (
@@ -138,6 +156,8 @@ class KvAwareConfig:
             raise ValueError("speculative_ttl_s must be >= 0")
         if self.recompute_weight < 0:
             raise ValueError("recompute_weight must be >= 0")
+        if self.replica_spread_s < 0:
+            raise ValueError("replica_spread_s must be >= 0")
         HolderPressure(self.retention_margin, self.retention_window_s)  # validates
 
     @classmethod
@@ -287,11 +307,13 @@ def _choose(
     prompt_tokens: int,
     config: KvAwareConfig,
     weight: float | None = None,
+    salt: ReplicaSalt | None = None,
 ) -> KvAwareChoice:
     """Of (worker, TTFT, cached tokens): the smallest score (equal up to a nanosecond is
     a tie), then the lighter guards, then rendezvous hashing (computed for the tied only).
     The score is the TTFT plus ``weight`` (default: ``recompute_weight``, undiscounted)
-    times the prefill seconds the choice computes beyond what the deepest holder would."""
+    times the prefill seconds the choice computes beyond what the deepest holder would,
+    plus a router replica's ``salt`` for the worker, if any."""
     deepest = max(c for _, _, c in scored)
     weight = config.recompute_weight if weight is None else weight
     floor_s = config.prefill_s(prompt_tokens - deepest, deepest) if weight else 0.0
@@ -301,8 +323,13 @@ def _choose(
             return ttft
         return ttft + weight * (config.prefill_s(prompt_tokens - cached, cached) - floor_s)
 
+    def salted(worker: WorkerLoad, ttft: float, cached: int) -> float:
+        value = score(ttft, cached)
+        return value if salt is None else value + salt(worker.worker_id)
+
     ranked = [
-        ((round(score(ttft, cached), 9), w.sort_key), w, ttft, cached) for w, ttft, cached in scored
+        ((round(salted(w, ttft, cached), 9), w.sort_key), w, ttft, cached)
+        for w, ttft, cached in scored
     ]
     lowest = min(r[0] for r in ranked)
     tied = [r[1:] for r in ranked if r[0] == lowest]
@@ -328,6 +355,13 @@ class KvAwareRouting:
         self.loads = LoadOrder(config.prefill_s, config.decode_request_s)
         self.queue = PrefillQueue(self.loads)
         self.future = FutureCost(HolderPressure(config.retention_margin, config.retention_window_s))
+        self.salt: ReplicaSalt | None = None
+
+    def as_replica(self, replica: str) -> None:
+        """Route as the router replica named ``replica`` of several: its scores offset by
+        its :class:`ReplicaSalt` (none with a ``replica_spread_s`` of 0)."""
+        spread_s = self.config.replica_spread_s
+        self.salt = ReplicaSalt(replica, spread_s) if spread_s else None
 
     def select(
         self,
@@ -367,7 +401,7 @@ class KvAwareRouting:
         tie_key = block_hashes[-1] if block_hashes else prompt_tokens
         candidates = [
             *self._lightest_holders(matches, by_id, now),
-            *self.loads.lightest(by_id, matches, now, tie_key),
+            *self._lightest_loads(by_id, matches, now, tie_key),
         ]
         scored = [
             (
@@ -384,7 +418,27 @@ class KvAwareRouting:
             for w in candidates
         ]
         weight = self._weight(scored, block_size, prompt_tokens, now)
-        return _choose(scored, tie_key, prompt_tokens, self.config, weight)
+        return _choose(scored, tie_key, prompt_tokens, self.config, weight, self.salt)
+
+    def _lightest_loads(
+        self,
+        by_id: Mapping[str, WorkerLoad],
+        holders: Mapping[str, WorkerMatch],
+        now: float,
+        tie_key: int,
+    ) -> set[str]:
+        """The non-holders worth predicting: the lightest; with a replica's salt, the
+        lightest few (``SALTED_LOAD_ROUNDS`` walks of the orders), among which the salt
+        can pick another than its peers' lightest."""
+        found = self.loads.lightest(by_id, holders, now, tie_key)
+        if self.salt is None:
+            return found
+        for _ in range(SALTED_LOAD_ROUNDS - 1):
+            more = self.loads.lightest(by_id, _Either(holders, found), now, tie_key)
+            if not more:
+                break
+            found |= more
+        return found
 
     def _weight(
         self,
