@@ -52,7 +52,12 @@ stays 0 (TTFT first); ``--kv-aware-recompute-weight 8`` keeps the hits.
 
 Ties (equal predictions) go to the less loaded worker, then by rendezvous hashing on the
 request's block chain rather than a per-process rotation: two router replicas with the
-same index and loads make the same choice.
+same index and loads make the same choice. That is what piles a burst onto one worker
+when it reaches several replicas at one instant, before any hears the others'
+announcements; so a replica of several (``as_replica``) adds its own fixed offset per
+worker, below ``replica_spread_s``, to every score (:class:`ReplicaSalt`): near-equal
+choices then differ by replica, and it predicts a few more of the lightest loads
+(``SALTED_LOAD_ROUNDS``) for the offset to choose among. A lone router adds nothing.
 
 After a choice the request's blocks are inserted speculatively on the chosen worker
 (see :mod:`kvserve.core.routing.kv_index`), so the next request of a burst sharing a new
