@@ -145,7 +145,7 @@ class KvAwareConfig:
     # to the scores, so that near-equal choices differ across replicas (see
     # :class:`~kvserve.core.routing.tie_breaking.ReplicaSalt`; the value by measurement,
     # docs/benchmarks.md "Router replicas announcing their routing"). One router: unused.
-    replica_spread_s: float = 0.02
+    replica_spread_s: float = 0.05
 
     def __post_init__(self) -> None:
         values = (
