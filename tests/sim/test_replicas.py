@@ -13,6 +13,12 @@ from kvserve.sim.simulator import SimConfig, Simulation, simulate
 from tests.sim.test_simulator import config, conversations
 
 
+def unsalted(sim_config: SimConfig) -> SimConfig:
+    """Replicas that rank workers exactly as one router does (no replica salt)."""
+    kv_aware = dataclasses.replace(sim_config.kv_aware, replica_spread_s=0.0)
+    return dataclasses.replace(sim_config, kv_aware=kv_aware)
+
+
 def test_a_replica_sees_its_own_guards_now_and_the_others_as_last_reported() -> None:
     replica = RouterReplica(KvAwarePolicy(KvAwareConfig()), ["w0", "w1"])
     replica.adjust("w0", 1, 100)
@@ -48,12 +54,6 @@ def test_replicas_fed_the_same_events_find_conversations_as_one_router_does() ->
         simulate(trace, "kv_aware", dataclasses.replace(unsalted(config()), router_replicas=4))
     ).hit_rate
     assert four == one
-
-
-def unsalted(sim_config: SimConfig) -> SimConfig:
-    """Replicas that rank workers exactly as one router does (no replica salt)."""
-    kv_aware = dataclasses.replace(sim_config.kv_aware, replica_spread_s=0.0)
-    return dataclasses.replace(sim_config, kv_aware=kv_aware)
 
 
 def test_replicas_announcing_at_once_route_exactly_as_one_router() -> None:
