@@ -14,6 +14,7 @@ from kvserve.cli import app
         ("--kv-aware-recompute-weight", "-1", "recompute_weight must be >= 0"),
         ("--kv-aware-retention-margin", "-0.5", "retention margin must be >= 0"),
         ("--kv-aware-retention-window", "0", "retention window must be > 0"),
+        ("--kv-aware-replica-spread", "-0.01", "replica_spread_s must be >= 0"),
     ],
 )
 def test_a_bad_kv_aware_parameter_is_a_usage_error(flag: str, value: str, reason: str) -> None:
@@ -32,5 +33,6 @@ def test_help_lists_the_future_cost_flags() -> None:
         "--kv-aware-recompute-weight",
         "--kv-aware-retention-margin",
         "--kv-aware-retention-window",
+        "--kv-aware-replica-spread",
     ):
         assert flag in result.output

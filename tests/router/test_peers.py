@@ -4,6 +4,7 @@ it refuses, and a silent peer's load dropped after its timeout."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 
 import aiohttp
@@ -11,6 +12,9 @@ import orjson
 import pytest
 
 from kvserve.core.routing.announcements import Announcement, ChoiceNote, LoadNote, PeerView
+from kvserve.core.routing.policies.kv_aware import KvAwarePolicy
+from kvserve.router.app import Router
+from kvserve.router.config import RouterConfig
 from kvserve.router.peers import PeerLink
 
 URLS = {"w0": "http://127.0.0.1:9000", "w1": "http://127.0.0.1:9001"}
@@ -78,3 +82,13 @@ def test_a_silent_peers_load_is_dropped() -> None:
 
     asyncio.run(wait_for_expiry())
     assert peer.view.origins() == []
+
+
+def test_a_kv_aware_router_with_peers_salts_its_choices_by_its_address() -> None:
+    settings = RouterConfig(worker_urls=tuple(URLS.values()), policy="kv_aware", port=8123)
+    alone = Router(settings).policy
+    assert isinstance(alone, KvAwarePolicy) and alone.routing.salt is None
+    peers = ("http://127.0.0.1:8124",)
+    replica = Router(dataclasses.replace(settings, peer_urls=peers)).policy
+    assert isinstance(replica, KvAwarePolicy) and replica.routing.salt is not None
+    assert replica.routing.salt.replica == "127.0.0.1:8123/0"

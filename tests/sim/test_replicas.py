@@ -9,8 +9,14 @@ from kvserve.core.routing.policies.kv_aware import KvAwarePolicy
 from kvserve.core.routing.types import WorkerLoad
 from kvserve.sim.replicas import RouterReplica
 from kvserve.sim.report import summarize
-from kvserve.sim.simulator import Simulation, simulate
+from kvserve.sim.simulator import SimConfig, Simulation, simulate
 from tests.sim.test_simulator import config, conversations
+
+
+def unsalted(sim_config: SimConfig) -> SimConfig:
+    """Replicas that rank workers exactly as one router does (no replica salt)."""
+    kv_aware = dataclasses.replace(sim_config.kv_aware, replica_spread_s=0.0)
+    return dataclasses.replace(sim_config, kv_aware=kv_aware)
 
 
 def test_a_replica_sees_its_own_guards_now_and_the_others_as_last_reported() -> None:
@@ -40,10 +46,12 @@ def test_replicas_share_the_fleet_and_release_every_guard() -> None:
 
 
 def test_replicas_fed_the_same_events_find_conversations_as_one_router_does() -> None:
+    """Unsalted: the default salt (50 ms) outweighs these short prompts' hits (a hit
+    here saves under 2,000 tokens' prefill), see docs/internals.md."""
     trace = conversations(num=13, turns=4, gap_s=5.0)
     one = summarize(simulate(trace, "kv_aware", config())).hit_rate
     four = summarize(
-        simulate(trace, "kv_aware", dataclasses.replace(config(), router_replicas=4))
+        simulate(trace, "kv_aware", dataclasses.replace(unsalted(config()), router_replicas=4))
     ).hit_rate
     assert four == one
 
@@ -52,7 +60,8 @@ def test_replicas_announcing_at_once_route_exactly_as_one_router() -> None:
     trace = conversations(num=30, turns=4, gap_s=0.05, seed=3)
     one = simulate(trace, "kv_aware", config())
     four = Simulation(
-        "kv_aware", dataclasses.replace(config(), router_replicas=4, announce_delay_s=0.0)
+        "kv_aware",
+        dataclasses.replace(unsalted(config()), router_replicas=4, announce_delay_s=0.0),
     )
     result = four.run(trace)
     assert [r.worker_id for r in result.records] == [r.worker_id for r in one.records]
@@ -73,3 +82,25 @@ def test_a_replica_counts_its_peers_announced_load() -> None:
     b.deliver(announcement, 0.0)
     assert b.snapshot() == [WorkerLoad("w0"), WorkerLoad("w1", 1, 300)]
     assert b.announcement() is None  # nothing of its own to tell
+
+
+def test_one_router_is_untouched_by_the_replica_salt() -> None:
+    trace = conversations(num=30, turns=4, gap_s=0.05, seed=3)
+    salted = simulate(trace, "kv_aware", config())
+    assert config().kv_aware.replica_spread_s > 0
+    plain = simulate(trace, "kv_aware", unsalted(config()))
+    assert salted.records == plain.records
+
+
+def test_simulated_replicas_salt_their_choices_by_name() -> None:
+    trace = conversations(num=30, turns=4, gap_s=0.05, seed=3)
+    at_once = dataclasses.replace(config(), router_replicas=4, announce_delay_s=0.0)
+    salted = Simulation("kv_aware", at_once)
+    names = []
+    for replica in salted.replicas:
+        assert isinstance(replica.policy, KvAwarePolicy)
+        salt = replica.policy.routing.salt
+        names.append(None if salt is None else salt.replica)
+    assert names == ["r0", "r1", "r2", "r3"]
+    plain = simulate(trace, "kv_aware", unsalted(at_once))
+    assert [r.worker_id for r in salted.run(trace).records] != [r.worker_id for r in plain.records]

@@ -169,6 +169,14 @@ def register(app: typer.Typer) -> None:
                 "deepest holder's (default: the policy's own; see docs/internals.md)."
             ),
         ] = None,
+        kv_aware_replica_spread: Annotated[
+            float | None,
+            _tuning(
+                "kv_aware with --peers or several processes: seconds of score each replica "
+                "adds per worker at most, fixed per (replica, worker), so that near-equal "
+                "choices differ across replicas (default: the policy's own; 0: none)."
+            ),
+        ] = None,
         kv_aware_retention_margin: Annotated[
             float | None,
             _tuning(
@@ -235,6 +243,9 @@ def register(app: typer.Typer) -> None:
                     retention_window_s=default_costs.retention_window_s
                     if kv_aware_retention_window is None
                     else kv_aware_retention_window,
+                    replica_spread_s=default_costs.replica_spread_s
+                    if kv_aware_replica_spread is None
+                    else kv_aware_replica_spread,
                 ),
                 session_header=session_header,
                 tokenizer=tokenizer,

@@ -139,6 +139,14 @@ def register(app: typer.Typer) -> None:
         seed: Annotated[
             int, typer.Option(help="Seed of the random and power_of_two policies.")
         ] = 0,
+        kv_aware_replica_spread: Annotated[
+            float | None,
+            typer.Option(
+                help="kv_aware with router replicas: each offsets its scores by up to this "
+                "many seconds per worker, fixed per (replica, worker), so that near-equal "
+                "choices differ across replicas (default: the policy's own; 0: none)."
+            ),
+        ] = None,
         kv_aware_recompute_weight: Annotated[
             float | None,
             typer.Option(
@@ -222,6 +230,8 @@ def register(app: typer.Typer) -> None:
             kv_aware_overrides["retention_margin"] = kv_aware_retention_margin
         if kv_aware_retention_window is not None:
             kv_aware_overrides["retention_window_s"] = kv_aware_retention_window
+        if kv_aware_replica_spread is not None:
+            kv_aware_overrides["replica_spread_s"] = kv_aware_replica_spread
         try:
             cost = cost_profile(profile)
             config = SimConfig(

@@ -97,6 +97,8 @@ class Router:
                 PeerView(self.policy.observe_peer_choice, self._sibling_load_changed),
             )
             self._routing_policy = AnnouncingPolicy(self.policy, self.siblings.announcer)
+        if self._routing_policy is not self.policy:  # one replica of several
+            self.policy.as_replica(_replica_name(config, member))
         # Only kv_aware keeps workers ordered by load: the others read the table itself.
         self._siblings_follow_loads = self.siblings is not None and isinstance(
             self.policy, KvAwarePolicy
@@ -460,3 +462,11 @@ def _serve(config: RouterConfig, member: ProcessMember | None) -> None:
     loop.run_until_complete(
         serve(app, config.host, config.port, config.client_limits, reuse_port=reuse_port)
     )
+
+
+def _replica_name(config: RouterConfig, member: ProcessMember | None) -> str:
+    """What tells this replica from its peers and siblings, and stays the same across
+    its restarts (its salt, see ``Policy.as_replica``): where it listens, and which of
+    the processes sharing that port it is."""
+    process = 0 if member is None else member.index
+    return f"{config.host}:{config.port}/{process}"

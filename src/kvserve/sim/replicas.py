@@ -19,6 +19,10 @@ change of its guards (:mod:`kvserve.core.routing.announcements`), which the simu
 delivers after a modelled network delay: a replica's view of a worker is then its own
 guards plus the others' as last announced, and its policy records their choices as its
 own (kv_aware: their prefill queued, their blocks speculated).
+
+With several replicas, each policy is told its replica's name (``Policy.as_replica``):
+kv_aware then salts its near-equal choices by replica, so that a burst arriving at one
+instant does not go from every replica to the same worker.
 """
 
 from __future__ import annotations
@@ -41,8 +45,11 @@ class RouterReplica:
         worker_ids: Sequence[str],
         name: str = "router",
         announce: bool = False,
+        one_of_several: bool = False,
     ) -> None:
         self.policy = policy
+        if one_of_several:  # the real router's replicas do the same (router/app.py)
+            policy.as_replica(name)
         self.announcer = Announcer(name)
         self._announcing = AnnouncingPolicy(policy, self.announcer) if announce else None
         self.peers = PeerView(policy.observe_peer_choice, self._peer_load_changed)

@@ -216,7 +216,13 @@ class Simulation:
                 raise ValueError("global is a mixed fleet's ceiling: no PD fleet")
             ids = self._prefill_ids + self._decode_ids
         self.replicas = [
-            RouterReplica(build_policy(policy_name, config), ids, f"r{i}", announce)
+            RouterReplica(
+                build_policy(policy_name, config),
+                ids,
+                f"r{i}",
+                announce,
+                one_of_several=config.router_replicas > 1,
+            )
             for i in range(config.router_replicas)
         ]
         scheduler_config = SchedulerConfig(config.max_num_batched_tokens, config.max_num_seqs)

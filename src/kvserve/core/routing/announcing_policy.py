@@ -138,5 +138,8 @@ class AnnouncingPolicy(Policy):
     def observe_peer_choice(self, choice: ChoiceNote, now: float) -> TakeBack | None:
         return self.inner.observe_peer_choice(choice, now)
 
+    def as_replica(self, replica: str) -> None:
+        self.inner.as_replica(replica)
+
     def forget_worker(self, worker_id: str) -> None:
         self.inner.forget_worker(worker_id)

@@ -52,7 +52,12 @@ stays 0 (TTFT first); ``--kv-aware-recompute-weight 8`` keeps the hits.
 
 Ties (equal predictions) go to the less loaded worker, then by rendezvous hashing on the
 request's block chain rather than a per-process rotation: two router replicas with the
-same index and loads make the same choice.
+same index and loads make the same choice. That is what piles a burst onto one worker
+when it reaches several replicas at one instant, before any hears the others'
+announcements; so a replica of several (``as_replica``) adds its own fixed offset per
+worker, below ``replica_spread_s``, to every score (:class:`ReplicaSalt`): near-equal
+choices then differ by replica, and it predicts a few more of the lightest loads
+(``SALTED_LOAD_ROUNDS``) for the offset to choose among. A lone router adds nothing.
 
 After a choice the request's blocks are inserted speculatively on the chosen worker
 (see :mod:`kvserve.core.routing.kv_index`), so the next request of a burst sharing a new
@@ -73,7 +78,7 @@ candidates, not the whole fleet.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Container, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -83,14 +88,22 @@ from kvserve.core.cost_model import CostModel
 from kvserve.core.routing.future_cost import FutureCost, HolderPressure
 from kvserve.core.routing.kv_index import KVBlockIndex, WorkerMatch
 from kvserve.core.routing.load_order import LoadOrder
+from kvserve.core.routing.tie_breaking import ReplicaSalt
 from kvserve.core.routing.types import TakeBack, WorkerLoad
 
 _NO_MATCH = WorkerMatch({})
-# Holders sharing one match, from which number on the lightest come from LoadOrder, not a scan.
-_ORDERED_GROUP = 16
-# Entries of LoadOrder a group's walk may pass per member before the scan is cheaper
-# (a membership test against a load term computed in Python).
-_WALK_STEPS_PER_MEMBER = 30
+# With a replica's salt: walks of the load orders for candidates (each adds up to three)
+SALTED_LOAD_ROUNDS = 4
+
+
+class _Either:
+    """In either of two containers (no copy of either)."""
+
+    def __init__(self, first: Container[str], second: Container[str]) -> None:
+        self._first, self._second = first, second
+
+    def __contains__(self, item: object) -> bool:
+        return item in self._first or item in self._second
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,6 +141,11 @@ class KvAwareConfig:
     retention_window_s: float = 60.0
     # (block, holder) entries the index keeps; None: unbounded (see KVBlockIndex)
     index_max_entries: int | None = None
+    # With router replicas only: each adds its own fixed offset in [0, this) per worker
+    # to the scores, so that near-equal choices differ across replicas (see
+    # :class:`~kvserve.core.routing.tie_breaking.ReplicaSalt`; the value by measurement,
+    # docs/benchmarks.md "Router replicas announcing their routing"). One router: unused.
+    replica_spread_s: float = 0.05
 
     def __post_init__(self) -> None:
         values = (
@@ -143,6 +161,8 @@ class KvAwareConfig:
             raise ValueError("speculative_ttl_s must be >= 0")
         if self.recompute_weight < 0:
             raise ValueError("recompute_weight must be >= 0")
+        if self.replica_spread_s < 0:
+            raise ValueError("replica_spread_s must be >= 0")
         HolderPressure(self.retention_margin, self.retention_window_s)  # validates
 
     @classmethod
@@ -292,11 +312,13 @@ def _choose(
     prompt_tokens: int,
     config: KvAwareConfig,
     weight: float | None = None,
+    salt: ReplicaSalt | None = None,
 ) -> KvAwareChoice:
     """Of (worker, TTFT, cached tokens): the smallest score (equal up to a nanosecond is
     a tie), then the lighter guards, then rendezvous hashing (computed for the tied only).
     The score is the TTFT plus ``weight`` (default: ``recompute_weight``, undiscounted)
-    times the prefill seconds the choice computes beyond what the deepest holder would."""
+    times the prefill seconds the choice computes beyond what the deepest holder would,
+    plus a router replica's ``salt`` for the worker, if any."""
     deepest = max(c for _, _, c in scored)
     weight = config.recompute_weight if weight is None else weight
     floor_s = config.prefill_s(prompt_tokens - deepest, deepest) if weight else 0.0
@@ -306,8 +328,13 @@ def _choose(
             return ttft
         return ttft + weight * (config.prefill_s(prompt_tokens - cached, cached) - floor_s)
 
+    def salted(worker: WorkerLoad, ttft: float, cached: int) -> float:
+        value = score(ttft, cached)
+        return value if salt is None else value + salt(worker.worker_id)
+
     ranked = [
-        ((round(score(ttft, cached), 9), w.sort_key), w, ttft, cached) for w, ttft, cached in scored
+        ((round(salted(w, ttft, cached), 9), w.sort_key), w, ttft, cached)
+        for w, ttft, cached in scored
     ]
     lowest = min(r[0] for r in ranked)
     tied = [r[1:] for r in ranked if r[0] == lowest]
@@ -333,6 +360,13 @@ class KvAwareRouting:
         self.loads = LoadOrder(config.prefill_s, config.decode_request_s)
         self.queue = PrefillQueue(self.loads)
         self.future = FutureCost(HolderPressure(config.retention_margin, config.retention_window_s))
+        self.salt: ReplicaSalt | None = None
+
+    def as_replica(self, replica: str) -> None:
+        """Route as the router replica named ``replica`` of several: its scores offset by
+        its :class:`ReplicaSalt` (none with a ``replica_spread_s`` of 0)."""
+        spread_s = self.config.replica_spread_s
+        self.salt = ReplicaSalt(replica, spread_s) if spread_s else None
 
     def select(
         self,
@@ -372,7 +406,7 @@ class KvAwareRouting:
         tie_key = block_hashes[-1] if block_hashes else prompt_tokens
         candidates = [
             *self._lightest_holders(matches, now),
-            *self.loads.lightest(by_id, matches, now, tie_key),
+            *self._lightest_loads(by_id, matches, now, tie_key),
         ]
         scored = [
             (
@@ -389,7 +423,27 @@ class KvAwareRouting:
             for w in candidates
         ]
         weight = self._weight(scored, block_size, prompt_tokens, now)
-        return _choose(scored, tie_key, prompt_tokens, self.config, weight)
+        return _choose(scored, tie_key, prompt_tokens, self.config, weight, self.salt)
+
+    def _lightest_loads(
+        self,
+        by_id: Mapping[str, WorkerLoad],
+        holders: Mapping[str, WorkerMatch],
+        now: float,
+        tie_key: int,
+    ) -> set[str]:
+        """The non-holders worth predicting: the lightest; with a replica's salt, the
+        lightest few (``SALTED_LOAD_ROUNDS`` walks of the orders), among which the salt
+        can pick another than its peers' lightest."""
+        found = self.loads.lightest(by_id, holders, now, tie_key)
+        if self.salt is None:
+            return found
+        for _ in range(SALTED_LOAD_ROUNDS - 1):
+            more = self.loads.lightest(by_id, _Either(holders, found), now, tie_key)
+            if not more:
+                break
+            found |= more
+        return found
 
     def _weight(
         self,

@@ -113,5 +113,11 @@ class Policy(ABC):
         record back (the peer's attempt ended before its first token)."""
         return None
 
+    def as_replica(self, replica: str) -> None:  # noqa: B027 - most rank alike anyway
+        """This policy is the router replica named ``replica``, one of several that
+        route the same fleet (kv_aware then salts its near-ties by replica, see
+        :class:`~kvserve.core.routing.tie_breaking.ReplicaSalt`). Not called for a lone
+        router."""
+
     def forget_worker(self, worker_id: str) -> None:  # noqa: B027 - most keep no state
         """Drop what the policy learned about a worker that left the fleet."""

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import xxhash
+
 from kvserve.core.routing.types import WorkerLoad
 
 
@@ -36,3 +38,29 @@ class PoolRotations(dict[str, Rotation]):
     def __missing__(self, pool: str) -> Rotation:
         rotation = self[pool] = Rotation()
         return rotation
+
+
+class ReplicaSalt:
+    """A small fixed score offset per (router replica, worker), in ``[0, spread_s)``.
+
+    Router replicas with the same index and loads rank workers alike: a burst of requests
+    arriving at one instant, split over the replicas, goes to the same best worker from
+    each before any replica hears the others' announcements. Offsetting each replica's
+    scores by a different deterministic amount per worker makes near-equal choices differ
+    across replicas while a win by more than ``spread_s`` stands; the offsets are a hash,
+    so a replica's choices are reproducible and another replica can compute them.
+    """
+
+    def __init__(self, replica: str, spread_s: float) -> None:
+        if spread_s < 0:
+            raise ValueError("spread_s must be >= 0")
+        self.replica = replica
+        self.spread_s = spread_s
+        self._offsets: dict[str, float] = {}
+
+    def __call__(self, worker_id: str) -> float:
+        offset = self._offsets.get(worker_id)
+        if offset is None:
+            digest = xxhash.xxh3_64_intdigest(f"{self.replica}/{worker_id}".encode())
+            offset = self._offsets[worker_id] = self.spread_s * digest / 2**64
+        return offset

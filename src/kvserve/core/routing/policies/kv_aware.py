@@ -125,6 +125,9 @@ class KvAwarePolicy(Policy):
             KvAwareChoice(predicted, "peer"), choice.block_hashes, choice.prompt_tokens, now
         )
 
+    def as_replica(self, replica: str) -> None:
+        self.routing.as_replica(replica)
+
     def forget_worker(self, worker_id: str) -> None:
         self.routing.forget_worker(worker_id)
 
