@@ -128,7 +128,6 @@ class LeanConnection(asyncio.Protocol):
 
     # --- parser callbacks ---------------------------------------------------------------
     def on_message_begin(self) -> None:
-        self._cancel_idle_timer()
         self._current = _Parsed()
 
     def on_url(self, url: bytes) -> None:
@@ -144,6 +143,7 @@ class LeanConnection(asyncio.Protocol):
 
     def on_headers_complete(self) -> None:
         assert self._current is not None
+        self._cancel_idle_timer()  # the header deadline is met: the body's starts
         self._current.method = self._parser.get_method()
         self._current.keep_alive = self._parser.should_keep_alive()
         self._queue.put_nowait(self._current)
@@ -167,7 +167,8 @@ class LeanConnection(asyncio.Protocol):
                 if self._transport is not None:
                     self._transport.close()
                 return
-            self._arm_idle_timer()
+            if self._queue.empty():  # else the next request's headers are in already
+                self._arm_idle_timer()
 
     async def _answer(self, parsed: _Parsed) -> bool:
         """Answer one request; whether the connection stays open."""
@@ -294,8 +295,9 @@ class LeanConnection(asyncio.Protocol):
             self._idle_timer = None
 
     def _idle(self) -> None:
-        """No request began within the header deadline: close, as aiohttp's keep-alive."""
-        if self._transport is not None and self._current is None and self._queue.empty():
+        """No request's headers within the header deadline (from the connection's start or
+        the last answer's end): closed silently, as aiohttp closes an idle keep-alive."""
+        if self._transport is not None:
             self._transport.close()
 
 
