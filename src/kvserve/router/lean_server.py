@@ -191,7 +191,16 @@ class LeanConnection(asyncio.Protocol):
         url = parsed.url.decode("latin-1")
         path = url.partition("?")[0]
         if parsed.method != b"POST" or path not in HOT_PATHS:
-            await self._forward(parsed, body)
+            try:
+                await self._forward(parsed, body)
+            except OSError:  # the private socket is gone (shutting down) or out of files
+                unavailable = openai_error(
+                    503,
+                    "the router could not serve this request now",
+                    error_type="service_unavailable",
+                    code="router_unavailable",
+                )
+                self._write_response(unavailable, keep_alive=False)
             return False  # the private connection answered with Connection: close
         if len(body) > self._server.max_body_bytes:
             too_large = openai_error(
