@@ -16,16 +16,20 @@ target so that machine noise hits all of them alike. Reported, per target:
 
 kvserve runs once per ``--processes`` count asked (``kvserve xN``: ``kvserve router
 --processes N``), so that one process and one per core compare with sglang-router, which
-uses every core it is given. The load average is printed before and after.
+uses every core it is given, and once per ``--http-server`` mode asked (``lean``: the
+httptools server for the OpenAI routes, ``aiohttp``: aiohttp serves them all). The load
+average is printed before and after.
 
 Run: ``python benchmarks/router_overhead.py [--client wrk] [--policy cache_aware
-round_robin] [--processes 1 2] [--rounds 5]`` (needs ``pip install sglang-router``).
+round_robin] [--processes 1 2] [--http-server lean aiohttp] [--rounds 5]``
+(needs ``pip install sglang-router``).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import os
 import re
 import shutil
@@ -209,7 +213,7 @@ def _report(targets: list[Target], args: argparse.Namespace) -> None:
         f"cores={os.cpu_count()}"
     )
     print(
-        f"{'target':<26} {'p50 ms':>7} {'p99 ms':>7} {'+p50 ms':>8} {'+p99 ms':>8} "
+        f"{'target':<34} {'p50 ms':>7} {'p99 ms':>7} {'+p50 ms':>8} {'+p99 ms':>8} "
         f"{'req/s':>7} {'load p50':>9} {'load p99':>9} {'CPU us/req':>10}"
     )
     for target in targets:
@@ -221,21 +225,22 @@ def _report(targets: list[Target], args: argparse.Namespace) -> None:
             else f"{'-':>9} {'-':>9}"
         )
         print(
-            f"{target.label:<26} {p50 * 1e3:>7.2f} {p99 * 1e3:>7.2f} "
+            f"{target.label:<34} {p50 * 1e3:>7.2f} {p99 * 1e3:>7.2f} "
             f"{(p50 - direct_p50) * 1e3:>8.2f} {(p99 - direct_p99) * 1e3:>8.2f} "
             f"{statistics.median(target.throughput):>7.0f} {loaded} "
             f"{statistics.median(target.cpu_per_request) * 1e6:>10.0f}"
         )
     for policy in args.policy:
         sg = next(t for t in targets if t.label == f"sglang {policy}")
-        for processes in args.processes:
-            kv = next(t for t in targets if t.label == f"kvserve x{processes} {policy}")
+        for server, processes in itertools.product(args.http_server, args.processes):
+            label = f"kvserve {server} x{processes} {policy}"
+            kv = next(t for t in targets if t.label == label)
             ratios = [k / s for k, s in zip(kv.throughput, sg.throughput, strict=True)]
             rps = statistics.median(kv.throughput) / statistics.median(sg.throughput)
             cpu = statistics.median(kv.cpu_per_request) / statistics.median(sg.cpu_per_request)
             per_round = ", ".join(f"{r:.2f}" for r in ratios)
             print(
-                f"{policy}: kvserve x{processes}/sglang req/s {rps:.2f} "
+                f"{policy}: kvserve {server} x{processes}/sglang req/s {rps:.2f} "
                 f"(per round: {per_round}), CPU per request {cpu:.2f}"
             )
     for target in targets[1:]:
@@ -260,6 +265,13 @@ def main() -> None:
         "--processes", type=int, nargs="+", default=[1, 2], help="kvserve router process counts"
     )
     parser.add_argument(
+        "--http-server",
+        nargs="+",
+        default=["lean", "aiohttp"],
+        choices=["lean", "aiohttp"],
+        help="kvserve router --http-server modes",
+    )
+    parser.add_argument(
         "--router-option", action="append", default=[], help="extra kvserve router flag"
     )
     args = parser.parse_args()
@@ -277,11 +289,12 @@ def main() -> None:
         targets = [Target("direct (one backend)", backends[0])]
         for policy in args.policy:
             extra = [part for option in args.router_option for part in option.split()]
-            for processes in args.processes:
+            for server, processes in itertools.product(args.http_server, args.processes):
                 options = ["--policy", policy, "--processes", str(processes), *extra]
+                options += ["--http-server", server]
                 kv = start_router(urls, free_port(), *options)
                 started.append(kv)
-                targets.append(Target(f"kvserve x{processes} {policy}", kv))
+                targets.append(Target(f"kvserve {server} x{processes} {policy}", kv))
             sg = start_sglang_router(urls, free_port(), policy)
             started.append(sg)
             targets.append(Target(f"sglang {policy}", sg))

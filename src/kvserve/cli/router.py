@@ -144,6 +144,14 @@ def register(app: typer.Typer) -> None:
                 "the policy's predictions: one per core to use (fixed worker set).",
             ),
         ] = 1,
+        http_server: Annotated[
+            str,
+            typer.Option(
+                help="aiohttp, or lean: the OpenAI routes served by an httptools server "
+                "beside the aiohttp app (router/lean_server.py).",
+                envvar="KVSERVE_ROUTER_HTTP_SERVER",
+            ),
+        ] = "aiohttp",
         kv_block_size: Annotated[
             int | None,
             _tuning("kv_aware over ZMQ event sources: block size (default: from the events)."),
@@ -270,6 +278,7 @@ def register(app: typer.Typer) -> None:
                 request_timeout_s=request_timeout,
                 max_request_bytes=max_request_bytes,
                 processes=processes,
+                http_server=http_server,
                 client_limits=limits_from_flags(
                     header_timeout, body_timeout, max_header_bytes, max_connections
                 ),

@@ -16,9 +16,10 @@ import ipaddress
 from aiohttp import web
 
 from kvserve.router.errors import openai_error
+from kvserve.router.lean_request import LeanRequest
 
 
-def bearer_matches(request: web.Request, key: str | None) -> bool:
+def bearer_matches(request: web.Request | LeanRequest, key: str | None) -> bool:
     return key is None or request.headers.get("Authorization") == f"Bearer {key}"
 
 

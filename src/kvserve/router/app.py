@@ -30,6 +30,8 @@ from kvserve.router.errors import openai_error
 from kvserve.router.health import HealthChecker
 from kvserve.router.kv_event_source import KVSERVE_STREAM, parse_kv_event_source
 from kvserve.router.kv_event_subscriber import KVEventSubscriber
+from kvserve.router.lean_request import LeanRequest
+from kvserve.router.lean_server import serve_lean
 from kvserve.router.load_guard import LoadTracker
 from kvserve.router.metrics import RouterMetrics
 from kvserve.router.pd_proxy import PDProxy
@@ -230,7 +232,7 @@ class Router:
 
         return guarded
 
-    async def generate(self, request: web.Request) -> web.StreamResponse:
+    async def generate(self, request: web.Request | LeanRequest) -> web.StreamResponse:
         if not bearer_matches(request, self.config.api_key):
             return unauthorized()
         assert self._proxy is not None
@@ -457,8 +459,12 @@ def _serve(config: RouterConfig, member: ProcessMember | None) -> None:
     _collect_garbage_less_often()
     loop = _fast_event_loop() or asyncio.new_event_loop()
     asyncio.set_event_loop(loop)
-    app = Router(config, member).build_app()
+    router = Router(config, member)
+    app = router.build_app()
     reuse_port = member is not None
+    if config.http_server == "lean":
+        loop.run_until_complete(serve_lean(app, router.generate, config, reuse_port=reuse_port))
+        return
     loop.run_until_complete(
         serve(app, config.host, config.port, config.client_limits, reuse_port=reuse_port)
     )

@@ -16,6 +16,8 @@ from kvserve.core.routing.policies import POLICY_NAMES, make_policy
 from kvserve.core.routing.policy import Policy
 from kvserve.router.kv_event_source import KVEventSource, parse_kv_event_source
 
+HTTP_SERVERS = ("aiohttp", "lean")
+
 
 @dataclass(frozen=True, slots=True)
 class RetryConfig:
@@ -79,6 +81,7 @@ class RouterConfig:
     # (router/peers.py)
     peer_urls: tuple[str, ...] = ()
     processes: int = 1  # router processes on the port (router/process_group.py)
+    http_server: str = "aiohttp"  # or "lean": hot routes off aiohttp (router/lean_server.py)
 
     def __post_init__(self) -> None:
         if self.policy not in POLICY_NAMES:
@@ -99,6 +102,8 @@ class RouterConfig:
             if not url.startswith(("http://", "https://")):
                 raise ValueError(f"--peers takes router URLs (http://host:port), got {url!r}")
         self._check_processes()
+        if self.http_server not in HTTP_SERVERS:
+            raise ValueError(f"--http-server is one of {HTTP_SERVERS}, got {self.http_server!r}")
 
     def _check_processes(self) -> None:
         """``--processes N`` needs a port every process can bind."""

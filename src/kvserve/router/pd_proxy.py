@@ -37,6 +37,7 @@ from kvserve.core.routing.pd_pair import DECODE_POOL, PREFILL_POOL
 from kvserve.core.routing.policy import Policy
 from kvserve.core.routing.types import PairDecision, RouteQuery, RoutingDecision
 from kvserve.router.config import RouterConfig
+from kvserve.router.lean_request import LeanRequest
 from kvserve.router.load_guard import Guard, LoadGuard, LoadTracker
 from kvserve.router.metrics import RouterMetrics
 from kvserve.router.prompt_preparer import PromptPreparer
@@ -135,7 +136,7 @@ class PDProxy(Proxy):
         return PairGuard(self._tracker.acquire(worker.worker_id, 0), prefill)
 
     def _upstream(
-        self, request: web.Request, worker: Worker, decision: RoutingDecision
+        self, request: web.Request | LeanRequest, worker: Worker, decision: RoutingDecision
     ) -> tuple[str, dict[str, str]]:
         headers = self._upstream_headers(request)
         prefill_id = _prefill_worker_id(decision)

@@ -25,6 +25,7 @@ from kvserve.core.routing.policy import Policy
 from kvserve.core.routing.types import RouteQuery, RoutingDecision
 from kvserve.router.config import RouterConfig
 from kvserve.router.errors import openai_error
+from kvserve.router.lean_request import LeanRequest
 from kvserve.router.load_guard import Guard, LoadTracker
 from kvserve.router.metrics import RouterMetrics
 from kvserve.router.prompt_preparer import PromptPreparer
@@ -94,7 +95,7 @@ class Proxy:
         # Proxied requests go through the lean client; ``session`` serves the rest.
         self.upstream = UpstreamClient(config.worker_headers(), config.request_timeout_s)
 
-    async def handle(self, request: web.Request) -> web.StreamResponse:
+    async def handle(self, request: web.Request | LeanRequest) -> web.StreamResponse:
         raw = await request.read()  # read (and bounded: 413) by client_guard's middleware
         try:
             body = orjson.loads(raw)
@@ -143,7 +144,7 @@ class Proxy:
 
     async def _attempt(
         self,
-        request: web.Request,
+        request: web.Request | LeanRequest,
         raw: bytes,
         query: RouteQuery,
         worker: Worker,
@@ -230,7 +231,7 @@ class Proxy:
         return self._tracker.acquire(worker.worker_id, guarded_prefill_tokens(query, decision))
 
     def _upstream(
-        self, request: web.Request, worker: Worker, decision: RoutingDecision
+        self, request: web.Request | LeanRequest, worker: Worker, decision: RoutingDecision
     ) -> tuple[str, dict[str, str]]:
         """Where the attempt goes and with which headers."""
         return worker.url + request.path, self._upstream_headers(request)
@@ -244,12 +245,16 @@ class Proxy:
         """The worker's response headers came (PD mode: the prefill worker is done)."""
 
     async def _relay_stream(
-        self, request: web.Request, upstream: UpstreamResponse, attempt: _Attempt
+        self, request: web.Request | LeanRequest, upstream: UpstreamResponse, attempt: _Attempt
     ) -> web.StreamResponse:
         """Relay SSE bytes as they come; from here on, nothing can be retried."""
         attempt.headers["Cache-Control"] = "no-cache"
-        response = web.StreamResponse(status=upstream.status, headers=attempt.headers)
-        await response.prepare(request)
+        response = (
+            request.stream_response(upstream.status, attempt.headers)
+            if isinstance(request, LeanRequest)
+            else web.StreamResponse(status=upstream.status, headers=attempt.headers)
+        )
+        await response.prepare(request)  # type: ignore[arg-type]  # lean: its own prepare
         usage = StreamUsageReader()
         try:
             async for chunk in upstream.content.iter_any():
@@ -333,7 +338,7 @@ class Proxy:
         error_type = "invalid_request_error" if status < 500 else "service_unavailable"
         return openai_error(status, message, error_type=error_type, code=code)
 
-    def _upstream_headers(self, request: web.Request) -> dict[str, str]:
+    def _upstream_headers(self, request: web.Request | LeanRequest) -> dict[str, str]:
         """The body parsed as JSON, so say so even when the client did not (``curl -d``)."""
         present = (k for k in _FORWARDED_REQUEST_HEADERS if k in request.headers)
         headers = {"Content-Type": "application/json"} | {k: request.headers[k] for k in present}
