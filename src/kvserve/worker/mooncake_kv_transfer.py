@@ -149,6 +149,9 @@ class _BufferLanding:
         run.copy_(self._buffer[start:end])
         return run.view(self._layout.torch_dtype).reshape(-1, *self._layout.block_shape)
 
+    def give_back(self, run: torch.Tensor) -> None:
+        self._buffers.give_back(run)
+
 
 class MooncakeKVReceiver(TCPKVReceiver):
     """A decode worker's side: one registered buffer per transfer, named in its request."""
@@ -160,11 +163,13 @@ class MooncakeKVReceiver(TCPKVReceiver):
         frame_timeout_s: float,
         api_key: str | None = None,
     ) -> None:
-        super().__init__(layout, frame_timeout_s, api_key=api_key)
+        super().__init__(layout, frame_timeout_s, api_key=api_key, same_host_shm=False)
         self._engine = engine
 
     @contextlib.contextmanager
-    def _landing(self, first_block: int, num_blocks: int) -> Iterator[Landing]:
+    def _landing(
+        self, first_block: int, num_blocks: int, segment: tuple[str, torch.Tensor] | None
+    ) -> Iterator[Landing]:
         size = (num_blocks - first_block) * self._layout.block_nbytes
         if size <= 0:
             yield PayloadLanding(self._layout, self.buffers)
