@@ -50,8 +50,11 @@ def host_id() -> str:
 
 def _mapped(fd: int, nbytes: int) -> torch.Tensor:
     """``nbytes`` of the file ``fd`` as a ``uint8`` tensor; the mapping lives as long as
-    the tensor (and its views) do."""
-    mapping = mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+    the tensor (and its views) do. Its page tables are filled at once (``MAP_POPULATE``):
+    a fault per 4 KiB on first touch made the copy several times slower
+    (docs/benchmarks.md)."""
+    flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+    mapping = mmap.mmap(fd, nbytes, flags, mmap.PROT_READ | mmap.PROT_WRITE)
     return torch.frombuffer(mapping, dtype=torch.uint8)
 
 
