@@ -17,7 +17,7 @@ from aiohttp import web
 
 from kvserve.worker.kv_transfer import KVTransferError
 from kvserve.worker.pd_wire import recv_frame_head, send_frame
-from kvserve.worker.shm_landing import SHM_DIR, create_segment, host_id, unlink_segment
+from kvserve.worker.shm_landing import SHM_DIR, Segment, host_id
 from kvserve.worker.tcp_kv_transfer import TCPKVReceiver, TCPKVSender
 from tests.support.ports import free_port
 from tests.worker.test_tcp_kv_wire import (
@@ -65,7 +65,8 @@ def read_frames(peer: socket.socket, count: int) -> list[tuple[dict[str, Any], b
 
 async def test_runs_are_placed_in_the_offered_segment_and_announced_without_payload() -> None:
     sender, exports = await serve_sender()
-    name, segment = create_segment(6 * LAYOUT.block_nbytes)
+    shared = Segment(6 * LAYOUT.block_nbytes)
+    name, segment = shared.name, shared.memory
     try:
         offer = {"name": name, "bytes": segment.nbytes, "host_id": host_id()}
         with await connect(sender.port) as peer:
@@ -85,7 +86,7 @@ async def test_runs_are_placed_in_the_offered_segment_and_announced_without_payl
             assert placed[0].eq(1.0).all() and placed[1:].eq(2.0).all()
             assert await sees_the_end(peer)
     finally:
-        unlink_segment(name)
+        shared.close()
         await sender.close()
 
 
@@ -105,7 +106,8 @@ def offers() -> list[tuple[str, Any]]:
 @pytest.mark.parametrize(("what", "offer"), offers(), ids=[what for what, _ in offers()])
 async def test_an_offer_this_host_cannot_serve_gets_payload_frames(what: str, offer: Any) -> None:
     sender, exports = await serve_sender()
-    name, segment = create_segment(LAYOUT.block_nbytes)
+    shared = Segment(LAYOUT.block_nbytes)
+    name, segment = shared.name, shared.memory
     try:
         with await connect(sender.port) as peer:
             shm = offer(name, segment.nbytes)
@@ -120,13 +122,14 @@ async def test_an_offer_this_host_cannot_serve_gets_payload_frames(what: str, of
         assert segment.eq(0).all()  # nothing was written into it
         assert not os.path.exists(SHM_DIR / "kvserve-pd-1-0123456789abcdef")  # never created
     finally:
-        unlink_segment(name)
+        shared.close()
         await sender.close()
 
 
 async def test_a_sender_told_socket_ignores_offers() -> None:
     sender, exports = await serve_sender(same_host_shm=False)
-    name, segment = create_segment(LAYOUT.block_nbytes)
+    shared = Segment(LAYOUT.block_nbytes)
+    name, segment = shared.name, shared.memory
     try:
         assert sender.info()["host_id"] == ""  # decode workers offer it no segment
         offer = {"name": name, "bytes": segment.nbytes, "host_id": host_id()}
@@ -138,7 +141,7 @@ async def test_a_sender_told_socket_ignores_offers() -> None:
             (run,) = await asyncio.to_thread(read_frames, peer, 1)
             assert "placed" not in run[0] and len(run[1]) == LAYOUT.block_nbytes
     finally:
-        unlink_segment(name)
+        shared.close()
         await sender.close()
 
 
@@ -179,7 +182,8 @@ async def test_a_same_host_fetch_lands_in_shared_memory_and_unlinks_it(
 ) -> None:
     url, _, exports = prefill
     installs = Installs()
-    fetching = asyncio.ensure_future(TCPKVReceiver(LAYOUT, 10.0).fetch(url, TOKENS, 2, 8, installs))
+    receiver = TCPKVReceiver(LAYOUT, 10.0)
+    fetching = asyncio.ensure_future(receiver.fetch(url, TOKENS, 2, 8, installs))
     await until(lambda: len(exports.sinks) == 1, "the export started")
     assert len(own_segments()) == 1  # the decode side offered a segment
     (sink,) = exports.sinks.values()
@@ -189,6 +193,46 @@ async def test_a_same_host_fetch_lands_in_shared_memory_and_unlinks_it(
     assert await fetching == 8
     assert [(first, len(run)) for first, run in installs.runs] == [(2, 2), (4, 4)]
     assert installs.runs[0][1].eq(4.0).all() and installs.runs[1][1].eq(5.0).all()
+    assert len(own_segments()) == 1
+    assert receiver.segments.free_bytes > 0  # kept for the next transfer
+    receiver.close()  # as the worker does when it stops
+
+
+async def test_a_finished_transfers_segment_serves_the_next_one(
+    prefill: tuple[str, TCPKVSender, HeldExports],
+) -> None:
+    url, _, exports = prefill
+    receiver = TCPKVReceiver(LAYOUT, 10.0)
+    offered: list[set[str]] = []
+    for started, fill in ((1, 1.0), (2, 2.0)):
+        installs = Installs()
+        fetching = asyncio.ensure_future(receiver.fetch(url, TOKENS, 0, 4, installs))
+        await until(lambda n=started: len(exports.sinks) == n, "the export started")
+        offered.append(own_segments())
+        sink = list(exports.sinks.values())[-1]
+        sink.blocks(0, blocks(4, fill))
+        sink.done(0)
+        assert await fetching == 0
+        assert installs.runs[0][1].eq(fill).all()
+    assert offered[0] == offered[1] and len(offered[0]) == 1
+    assert receiver.segments.free_bytes == 1 << 20  # one segment, the smallest size
+    receiver.close()
+    assert own_segments() == set()
+
+
+async def test_segments_of_a_dead_worker_are_removed_by_the_next_receiver() -> None:
+    dead = await asyncio.create_subprocess_exec("true")
+    await dead.wait()
+    orphan = SHM_DIR / f"kvserve-pd-{dead.pid}-0123456789abcdef"
+    orphan.write_bytes(b"left by a killed worker")
+    alive = Segment(1 << 20)
+    try:
+        TCPKVReceiver(LAYOUT, 10.0).close()
+        assert not orphan.exists()
+        assert (SHM_DIR / alive.name).exists()  # this process's own stays
+    finally:
+        orphan.unlink(missing_ok=True)
+        alive.close()
 
 
 async def test_a_receiver_told_socket_offers_no_segment(
@@ -210,9 +254,8 @@ async def test_a_cancelled_fetch_unlinks_its_segment_and_ends_the_export(
     prefill: tuple[str, TCPKVSender, HeldExports],
 ) -> None:
     url, _, exports = prefill
-    fetching = asyncio.ensure_future(
-        TCPKVReceiver(LAYOUT, 10.0).fetch(url, TOKENS, 0, 8, Installs())
-    )
+    receiver = TCPKVReceiver(LAYOUT, 10.0)
+    fetching = asyncio.ensure_future(receiver.fetch(url, TOKENS, 0, 8, Installs()))
     await until(lambda: len(exports.sinks) == 1, "the export started")
     (sink,) = exports.sinks.values()
     sink.blocks(0, blocks(1, 1.0))
@@ -222,6 +265,7 @@ async def test_a_cancelled_fetch_unlinks_its_segment_and_ends_the_export(
     with pytest.raises(asyncio.CancelledError):
         await fetching
     assert own_segments() == set()
+    assert receiver.segments.free_bytes == 0  # the prefill side may still write: not reused
     await until(lambda: len(exports.aborted) == 1, "the prefill side dropped the export")
 
 

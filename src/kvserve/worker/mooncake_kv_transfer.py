@@ -31,6 +31,7 @@ from kvserve.engine.kv_block_io import KVBlockLayout
 from kvserve.worker.kv_transfer import ExportSource
 from kvserve.worker.pd_wire import send_frame
 from kvserve.worker.run_buffers import RunBuffers
+from kvserve.worker.shm_landing import Segment
 from kvserve.worker.tcp_kv_transfer import Landing, PayloadLanding, TCPKVReceiver, TCPKVSender
 
 # After a failed or cancelled transfer the prefill side may still be writing into the
@@ -168,7 +169,7 @@ class MooncakeKVReceiver(TCPKVReceiver):
 
     @contextlib.contextmanager
     def _landing(
-        self, first_block: int, num_blocks: int, segment: tuple[str, torch.Tensor] | None
+        self, first_block: int, num_blocks: int, segment: Segment | None
     ) -> Iterator[Landing]:
         size = (num_blocks - first_block) * self._layout.block_nbytes
         if size <= 0:

@@ -117,6 +117,8 @@ class PDService:
             yield
         finally:
             sweeper.cancel()
+            assert self._receiver is not None, "decode role"
+            self._receiver.close()
 
     async def _sweep_leases(self) -> None:
         while True:

@@ -18,12 +18,15 @@ the last mapping of them goes.
 
 from __future__ import annotations
 
+import bisect
 import mmap
 import os
 import re
 import secrets
 import socket
 import stat
+import threading
+from collections import OrderedDict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -37,6 +40,7 @@ if TYPE_CHECKING:
 SHM_DIR = Path("/dev/shm")
 SEGMENT_PREFIX = "kvserve-pd-"
 _SEGMENT_NAME = re.compile(r"kvserve-pd-\d+-[0-9a-f]{16}")
+_MIN_SEGMENT_BYTES = 1 << 20
 
 
 def host_id() -> str:
@@ -58,52 +62,150 @@ def _mapped(fd: int, nbytes: int) -> torch.Tensor:
     return torch.frombuffer(mapping, dtype=torch.uint8)
 
 
-def create_segment(nbytes: int) -> tuple[str, torch.Tensor]:
-    """A fresh segment of ``nbytes``: its name and its memory. Its pages are allocated
-    here (``posix_fallocate``), so a full ``/dev/shm`` fails this call (``OSError``; the
-    transfer then uses payload frames) instead of the peer's write (``SIGBUS``)."""
-    name = f"{SEGMENT_PREFIX}{os.getpid()}-{secrets.token_hex(8)}"
-    path = SHM_DIR / name
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
-    try:
-        os.posix_fallocate(fd, 0, nbytes)
-        return name, _mapped(fd, nbytes)
-    except BaseException:
-        path.unlink(missing_ok=True)
-        raise
-    finally:
-        os.close(fd)  # the mapping keeps the pages
+class Segment:
+    """A named shared-memory file this process made, reused from transfer to transfer
+    while it is kept (:class:`SegmentPool`), unlinked when it is closed. Its pages are
+    allocated when it is made (``posix_fallocate``), so a full ``/dev/shm`` fails that
+    (``OSError``: the transfer then uses payload frames), not the peer's write
+    (``SIGBUS``). Names carry the maker's pid, so that segments a killed worker left are
+    found (:func:`remove_orphans`)."""
+
+    def __init__(self, nbytes: int) -> None:
+        self.name = f"{SEGMENT_PREFIX}{os.getpid()}-{secrets.token_hex(8)}"
+        path = SHM_DIR / self.name
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        try:
+            os.posix_fallocate(fd, 0, nbytes)
+            self.memory = _mapped(fd, nbytes)
+        except BaseException:
+            path.unlink(missing_ok=True)
+            raise
+        finally:
+            os.close(fd)  # the mapping keeps the pages
+
+    @property
+    def nbytes(self) -> int:
+        return self.memory.nbytes
+
+    def close(self) -> None:
+        """The name is gone; the pages go with the last mapping of them (the prefill
+        side's included)."""
+        (SHM_DIR / self.name).unlink(missing_ok=True)
 
 
-def unlink_segment(name: str) -> None:
-    """The segment's name is gone; its pages go with the last mapping of them."""
-    (SHM_DIR / name).unlink(missing_ok=True)
+def remove_orphans() -> None:
+    """Unlink the segments of workers that are gone (killed before they could)."""
+    for path in SHM_DIR.glob(f"{SEGMENT_PREFIX}*"):
+        if not _SEGMENT_NAME.fullmatch(path.name):
+            continue
+        pid = int(path.name.split("-")[2])
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            path.unlink(missing_ok=True)
+        except PermissionError:
+            pass  # alive, another user's
 
 
-def open_segment(offer: Any, own_host_id: str) -> torch.Tensor | None:
-    """Prefill side: the decode worker's segment ``offer`` mapped here, or None if it is
-    not one this host can serve (another host, a bad name, a missing file, another
-    size): the runs then travel as payload frames."""
-    if not isinstance(offer, dict) or offer.get("host_id") != own_host_id or not own_host_id:
-        return None
-    name, nbytes = offer.get("name"), offer.get("bytes")
-    if not isinstance(name, str) or not _SEGMENT_NAME.fullmatch(name):
-        return None
-    if not isinstance(nbytes, int) or nbytes <= 0:
-        return None
-    try:
-        fd = os.open(SHM_DIR / name, os.O_RDWR | os.O_NOFOLLOW)  # never creates one
-    except OSError:
-        return None
-    try:
-        found = os.fstat(fd)
-        if not stat.S_ISREG(found.st_mode) or found.st_size != nbytes:
+class SegmentPool:
+    """Decode side: segments to offer; up to ``keep_bytes`` of those given back after a
+    transfer that finished are kept (named, so a worker has up to that much in
+    ``/dev/shm`` between transfers), since a new one costs its pages' allocation and the
+    peer's mapping of them, several times the copy into it (docs/benchmarks.md)."""
+
+    def __init__(self, keep_bytes: int) -> None:
+        self._keep_bytes = keep_bytes
+        self._lock = threading.Lock()  # taken on worker threads, given back on the loop
+        self._free: list[tuple[int, int, Segment]] = []  # (capacity, id, segment)
+        self._free_bytes = 0
+
+    def take(self, nbytes: int) -> Segment:
+        """A segment of at least ``nbytes``: the smallest kept one, else a new one (a
+        power of two, so it fits later transfers). Blocking: a new one is allocated."""
+        with self._lock:
+            found = bisect.bisect_left(self._free, (nbytes,))
+            if found < len(self._free):
+                capacity, _, segment = self._free.pop(found)
+                self._free_bytes -= capacity
+                return segment
+        return Segment(max(_MIN_SEGMENT_BYTES, 1 << (nbytes - 1).bit_length()))
+
+    def give_back(self, segment: Segment) -> None:
+        """``segment``'s transfer finished (no write into it is in flight): keep it, or
+        close it if enough is kept already."""
+        with self._lock:
+            if self._free_bytes + segment.nbytes <= self._keep_bytes:
+                bisect.insort(self._free, (segment.nbytes, id(segment), segment))
+                self._free_bytes += segment.nbytes
+                return
+        segment.close()
+
+    @property
+    def free_bytes(self) -> int:
+        with self._lock:
+            return self._free_bytes
+
+    def close(self) -> None:
+        """Close every kept segment (the worker stops)."""
+        with self._lock:
+            free, self._free, self._free_bytes = self._free, [], 0
+        for _, _, segment in free:
+            segment.close()
+
+
+class SegmentMaps:
+    """Prefill side: decode workers' segments mapped here, kept (up to ``keep_bytes``,
+    least recently used first out) so that a reused segment is not mapped again; mapping
+    one costs its page tables, about twice the copy into it. A kept mapping holds the
+    file, so its inode number names it until it is dropped."""
+
+    def __init__(self, own_host_id: str, keep_bytes: int) -> None:
+        self._host_id = own_host_id
+        self._keep_bytes = keep_bytes
+        self._lock = threading.Lock()  # sending threads of concurrent transfers
+        self._maps: OrderedDict[tuple[int, int], torch.Tensor] = OrderedDict()
+        self._bytes = 0
+
+    def open(self, offer: Any) -> torch.Tensor | None:
+        """The decode worker's segment ``offer`` mapped here, or None if it is not one
+        this host can serve (another host, a bad name, a missing file, another size):
+        the runs then travel as payload frames."""
+        if not self._host_id or not isinstance(offer, dict):
             return None
-        return _mapped(fd, nbytes)
-    except (OSError, ValueError):
-        return None
-    finally:
-        os.close(fd)
+        name, nbytes = offer.get("name"), offer.get("bytes")
+        if offer.get("host_id") != self._host_id or not isinstance(name, str):
+            return None
+        if not _SEGMENT_NAME.fullmatch(name) or not isinstance(nbytes, int) or nbytes <= 0:
+            return None
+        try:
+            fd = os.open(SHM_DIR / name, os.O_RDWR | os.O_NOFOLLOW)  # never creates one
+        except OSError:
+            return None
+        try:
+            found = os.fstat(fd)
+            if not stat.S_ISREG(found.st_mode) or found.st_size != nbytes:
+                return None
+            return self._mapping(fd, (found.st_dev, found.st_ino), nbytes)
+        except (OSError, ValueError):
+            return None
+        finally:
+            os.close(fd)
+
+    def _mapping(self, fd: int, key: tuple[int, int], nbytes: int) -> torch.Tensor:
+        with self._lock:
+            kept = self._maps.get(key)
+            if kept is not None:
+                self._maps.move_to_end(key)
+                return kept
+        memory = _mapped(fd, nbytes)
+        with self._lock:
+            if key not in self._maps and nbytes <= self._keep_bytes:
+                self._maps[key] = memory
+                self._bytes += nbytes
+            while self._bytes > self._keep_bytes:
+                _, dropped = self._maps.popitem(last=False)
+                self._bytes -= dropped.nbytes
+        return memory
 
 
 def place_runs(segment: torch.Tensor, offset: int, runs: list[torch.Tensor]) -> None:

@@ -40,12 +40,13 @@ from kvserve.worker.kv_transfer import ExportSource, InstallRun, KVTransferError
 from kvserve.worker.pd_wire import ProtocolError, recv_frame_head, recv_into, send_frame
 from kvserve.worker.run_buffers import RunBuffers
 from kvserve.worker.shm_landing import (
+    Segment,
+    SegmentMaps,
+    SegmentPool,
     ShmLanding,
-    create_segment,
     host_id,
-    open_segment,
     place_runs,
-    unlink_segment,
+    remove_orphans,
 )
 
 logger = logging.getLogger(__name__)
@@ -67,6 +68,11 @@ _Arrival = tuple[int, torch.Tensor] | int | BaseException
 
 # Memory of installed runs a decode worker keeps for the next ones (run_buffers.py).
 RUN_BUFFER_KEEP_BYTES = 64 << 20
+
+# Shared-memory segments a decode worker keeps for the next transfers, and decode
+# workers' segments a prefill worker keeps mapped (shm_landing.py).
+SEGMENT_KEEP_BYTES = 256 << 20
+SEGMENT_MAP_KEEP_BYTES = 512 << 20
 
 # The most bytes of queued runs the sender joins into one run frame (TCPKVSender._gather):
 # the decode side then reads them with one call (benchmarks/kv_transfer_rate.py).
@@ -117,6 +123,7 @@ class TCPKVSender:
     ) -> None:  # fmt: skip
         self._merge_bytes = merge_bytes
         self._host_id = host_id() if same_host_shm else ""
+        self._segments = SegmentMaps(self._host_id, SEGMENT_MAP_KEEP_BYTES)
         self._exports = exports
         self._layout = layout
         self._host = host
@@ -222,7 +229,7 @@ class TCPKVSender:
     ) -> bool:  # fmt: skip
         """Sending thread: write the export's items until it ends; True if it is still
         running (the decode side hung up, or the sender is closing)."""
-        segment = open_segment(request.get("shm"), self._host_id)
+        segment = self._segments.open(request.get("shm"))
         pending: tuple[Any, ...] | None = None
         while True:
             kind, *rest = pending or items.get()
@@ -323,6 +330,9 @@ class TCPKVReceiver:
         self._info_headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._addresses: dict[str, tuple[tuple[str, int], str]] = {}  # address, host id
         self._host_id = host_id() if same_host_shm else ""
+        if same_host_shm:
+            remove_orphans()
+        self.segments = SegmentPool(SEGMENT_KEEP_BYTES)
         self.buffers = RunBuffers(RUN_BUFFER_KEEP_BYTES)
 
     async def fetch(
@@ -338,33 +348,42 @@ class TCPKVReceiver:
             address, peer_host_id = await self._address(prefill_url)
             same_host = bool(self._host_id) and peer_host_id == self._host_id
             segment = await self._segment(num_blocks - first_block) if same_host else None
+            finished = False
             try:
                 with self._landing(first_block, num_blocks, segment) as landing:
-                    return await self.fetch_from(
+                    cached = await self.fetch_from(
                         address, token_ids, first_block, num_blocks, install, landing, cache_salt
                     )
+                finished = True
+                return cached
             finally:
-                if segment is not None:
-                    unlink_segment(segment[0])
+                if segment is not None and finished:  # ``done`` came: no write is in flight
+                    self.segments.give_back(segment)
+                elif segment is not None:  # the prefill side may still write: never reused
+                    segment.close()
         except _TRANSFER_ERRORS as exc:
             self._addresses.pop(prefill_url, None)  # it may have restarted on another port
             raise KVTransferError(f"KV transfer from {prefill_url} failed: {exc!r}") from exc
 
-    async def _segment(self, count: int) -> tuple[str, torch.Tensor] | None:
-        """A shared segment for ``count`` blocks, made on a thread (its pages are
-        allocated); None if there is nothing to land or ``/dev/shm`` cannot hold it."""
+    def close(self) -> None:
+        """Unlink the shared segments kept for later transfers."""
+        self.segments.close()
+
+    async def _segment(self, count: int) -> Segment | None:
+        """A shared segment for ``count`` blocks, taken on a thread (a new one's pages
+        are allocated); None if there is nothing to land or ``/dev/shm``
+        cannot hold it."""
         if count <= 0:
             return None
-        making = asyncio.ensure_future(
-            asyncio.to_thread(create_segment, count * self._layout.block_nbytes)
-        )
+        nbytes = count * self._layout.block_nbytes
+        making = asyncio.ensure_future(asyncio.to_thread(self.segments.take, nbytes))
         try:
             return await asyncio.shield(making)
         except OSError as exc:
             logger.warning("no shared segment for a KV transfer, using the socket: %r", exc)
             return None
         except asyncio.CancelledError:
-            making.add_done_callback(_unlink_made)  # cancelled while the thread made it
+            making.add_done_callback(_close_made)  # cancelled while the thread made it
             raise
 
     async def _address(self, url: str) -> tuple[tuple[str, int], str]:
@@ -427,21 +446,22 @@ class TCPKVReceiver:
             conn.close()
 
     def _landing(
-        self, first_block: int, num_blocks: int, segment: tuple[str, torch.Tensor] | None
+        self, first_block: int, num_blocks: int, segment: Segment | None
     ) -> contextlib.AbstractContextManager[Landing]:
         """Where one transfer's bytes arrive: in ``segment`` if there is one (the
-        caller unlinks it), else in the run frames' payloads."""
+        caller gives it back), else in the run frames' payloads."""
         payloads = PayloadLanding(self._layout, self.buffers)
         if segment is None:
             return contextlib.nullcontext(payloads)
-        name, memory = segment
-        shm = ShmLanding(self._layout, name, memory, first_block, payloads, self._host_id)
+        shm = ShmLanding(
+            self._layout, segment.name, segment.memory, first_block, payloads, self._host_id
+        )
         return contextlib.nullcontext(shm)
 
 
-def _unlink_made(making: asyncio.Future[tuple[str, torch.Tensor]]) -> None:
+def _close_made(making: asyncio.Future[Segment]) -> None:
     if not making.cancelled() and making.exception() is None:
-        unlink_segment(making.result()[0])
+        making.result().close()
 
 
 async def _connect(address: tuple[str, int], timeout_s: float) -> BlockingSocket:
