@@ -143,7 +143,6 @@ def tcp_rate(
             await receiver.fetch_from(("127.0.0.1", port), tokens, 0, num_blocks, install, landing)
             return time.perf_counter() - started
         segment = await asyncio.to_thread(shm.take, total)
-        segment.link()
         payloads = PayloadLanding(LAYOUT, receiver.buffers)
         landing = ShmLanding(LAYOUT, segment.name, segment.memory, 0, payloads, host_id())
         try:
@@ -280,6 +279,8 @@ def main() -> None:
             for name, measure in paths.items():
                 rates[name].append(measure())
     finally:
+        for receiver in receivers:
+            receiver.close()  # unlinks the segments it kept
         for pipe, process in peers:
             pipe.send(False)
             process.join(5)
