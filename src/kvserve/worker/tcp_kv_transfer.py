@@ -16,6 +16,10 @@ when the engine is ahead of the network, go as one frame); the decode side reads
 frame's run with one ``recv_into`` straight into the tensor that is installed. The event loop keeps
 what it kept before: accepting, starting and aborting exports, noticing a hang-up while
 the engine computes, per-frame timeouts and cancellation (which closes the socket).
+
+Between workers of one host the runs' bytes skip the socket: the decode side offers a
+shared-memory segment and the prefill side copies each run into it, sending only the
+frames (:mod:`kvserve.worker.shm_landing`, ``--kv-transfer-same-host``).
 """
 
 from __future__ import annotations
