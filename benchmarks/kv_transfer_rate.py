@@ -12,6 +12,13 @@ side by side in one run:
   memory for every run: what ``RunBuffers`` saves; ``--unmerged`` adds a sender that
   writes one frame per run, where the real one joins queued runs into frames of up to
   ``MERGE_BYTES``, as it does for a backlog);
+- **kvserve shm**: the same sender and ``fetch_from`` on the same-host path
+  (``--kv-transfer-same-host shm``): the receiver takes a ``/dev/shm`` segment from its
+  ``SegmentPool`` and names it, as ``TCPKVReceiver.fetch`` does (kept from round to
+  round, as a decode worker keeps it; the sender keeps its mapping), the sender copies
+  each run into it and sends a payload-less frame, the receiver installs from the
+  segment in place, then gives it back; all of that is timed (``--fresh-segment`` adds
+  the same with a new segment every round, its pages allocated and mapped anew);
 - **Mooncake TCP**: the Mooncake Transfer Engine (P2P handshake, ``tcp`` protocol)
   writing each run into the receiver's registered buffer (``transfer_sync_write``), as
   ``MooncakeKVSender`` does, the receiver copying each run out as ``MooncakeKVReceiver``
@@ -23,8 +30,9 @@ side by side in one run:
   size (pages touched beforehand): the reference, one copy of each byte.
 
 Run: ``python benchmarks/kv_transfer_rate.py [--megabytes 256] [--run-megabytes 4]
-[--rounds 3] [--no-mooncake] [--fresh-memory] [--unmerged]``. The paths alternate round by round;
-prints GB/s (median of the rounds, and every round) and each median's ratio to memcpy's.
+[--rounds 3] [--no-mooncake] [--fresh-memory] [--unmerged] [--fresh-segment]``. The
+paths alternate round by round; prints GB/s (median of the rounds, and every round) and
+each median's ratio to memcpy's.
 """
 
 from __future__ import annotations
@@ -45,8 +53,10 @@ import torch
 from kvserve.engine.kv_block_io import KVBlockLayout
 from kvserve.engine.pd_export import ExportSink
 from kvserve.worker.run_buffers import RunBuffers
+from kvserve.worker.shm_landing import SegmentPool, ShmLanding, host_id
 from kvserve.worker.tcp_kv_transfer import (
     MERGE_BYTES,
+    Landing,
     PayloadLanding,
     TCPKVReceiver,
     TCPKVSender,
@@ -112,11 +122,14 @@ def _tcp_sender(pipe: Connection, total: int, run: int, merge_bytes: int) -> Non
     asyncio.run(serve())
 
 
-def tcp_rate(port: int, total: int, receiver: TCPKVReceiver) -> float:
+def tcp_rate(
+    port: int, total: int, receiver: TCPKVReceiver, shm: SegmentPool | None = None
+) -> float:
     """The decode side's real path: ``TCPKVReceiver.fetch_from`` reading each run into
     memory from its ``RunBuffers`` (kept from round to round, as a decode worker keeps
     them; a receiver keeping none lands every run in fresh memory), handed to an install
-    that keeps nothing."""
+    that keeps nothing. With ``shm``, the bytes land in a shared segment from that pool
+    (given back after the transfer)."""
     num_blocks = total // LAYOUT.block_nbytes
 
     async def install(first_block: int, blocks: torch.Tensor) -> None:
@@ -125,8 +138,17 @@ def tcp_rate(port: int, total: int, receiver: TCPKVReceiver) -> float:
     async def fetch() -> float:
         started = time.perf_counter()
         tokens = [1] * (num_blocks * LAYOUT.block_size + 1)
-        landing = PayloadLanding(LAYOUT, receiver.buffers)
-        await receiver.fetch_from(("127.0.0.1", port), tokens, 0, num_blocks, install, landing)
+        landing: Landing = PayloadLanding(LAYOUT, receiver.buffers)
+        if shm is None:
+            await receiver.fetch_from(("127.0.0.1", port), tokens, 0, num_blocks, install, landing)
+            return time.perf_counter() - started
+        segment = await asyncio.to_thread(shm.take, total)
+        payloads = PayloadLanding(LAYOUT, receiver.buffers)
+        landing = ShmLanding(LAYOUT, segment.name, segment.memory, 0, payloads, host_id())
+        try:
+            await receiver.fetch_from(("127.0.0.1", port), tokens, 0, num_blocks, install, landing)
+        finally:
+            shm.give_back(segment)
         return time.perf_counter() - started
 
     return total / asyncio.run(fetch()) / 1e9
@@ -207,6 +229,9 @@ def main() -> None:
     parser.add_argument(
         "--unmerged", action="store_true", help="add kvserve TCP sending one frame per run"
     )
+    parser.add_argument(
+        "--fresh-segment", action="store_true", help="add kvserve shm into a new segment"
+    )
     args = parser.parse_args()
     total, run = args.megabytes * MB, args.run_megabytes * MB
     torch.set_num_threads(1)
@@ -228,7 +253,11 @@ def main() -> None:
         "memcpy": lambda: memcpy_rate(total, run),
         "raw socket": lambda: socket_rate(raw_pipe, raw_port, total, run),
         "kvserve TCP": lambda: tcp_rate(tcp_port, total, receivers[0]),
+        "kvserve shm": lambda: tcp_rate(tcp_port, total, receivers[0], receivers[0].segments),
     }
+    if args.fresh_segment:
+        fresh = SegmentPool(keep_bytes=0)
+        paths["shm, fresh"] = lambda: tcp_rate(tcp_port, total, receivers[0], fresh)
     if args.unmerged:
         unmerged_port = peer(_tcp_sender, total, run, 0).recv()
         paths["kvserve, unmerged"] = lambda: tcp_rate(unmerged_port, total, receivers[1])
@@ -250,6 +279,8 @@ def main() -> None:
             for name, measure in paths.items():
                 rates[name].append(measure())
     finally:
+        for receiver in receivers:
+            receiver.close()  # unlinks the segments it kept
         for pipe, process in peers:
             pipe.send(False)
             process.join(5)

@@ -7,6 +7,7 @@ with a router of two processes (``--processes 2``)."""
 from __future__ import annotations
 
 import json
+import os
 import select
 import socket
 import threading
@@ -47,10 +48,14 @@ _ONE_THREAD = {"OMP_NUM_THREADS": "1"}
 
 
 class Fleet:
-    def __init__(self, model_dir: Path, kv_transfer: str, processes: int = 1) -> None:
+    def __init__(
+        self, model_dir: Path, kv_transfer: str, processes: int = 1, same_host: str = "shm"
+    ) -> None:
         # A small step budget makes a long prompt's prefill last long enough to cut into.
         self.model_dir = model_dir
-        transfer = ("--kv-transfer", kv_transfer)
+        self.same_host = same_host
+        self.killed: set[int] = set()  # workers a test SIGKILLed: their segments may stay
+        transfer = ("--kv-transfer", kv_transfer, "--kv-transfer-same-host", same_host)
         self.prefill = start_worker(
             model_dir, "--role", "prefill", "--max-num-batched-tokens", "16", *transfer
         )
@@ -76,8 +81,8 @@ class Fleet:
 
 @pytest.fixture(
     scope="module",
-    params=[("tcp", 1), ("mooncake", 1), ("tcp", 2)],
-    ids=["tcp", "mooncake", "tcp-2-processes"],
+    params=[("tcp", 1, "shm"), ("mooncake", 1, "shm"), ("tcp", 2, "socket")],
+    ids=["tcp-shm", "mooncake", "tcp-socket-2-processes"],
 )
 def fleet(
     tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest
@@ -86,10 +91,21 @@ def fleet(
 
     model_dir = make_tiny_model(tmp_path_factory.mktemp("pd-model"), "llama")
     fleet = Fleet(model_dir, *request.param)
+    pids = {worker.process.pid for worker in fleet.workers}
     try:
         yield fleet
     finally:
         fleet.stop()
+    assert shm_segments(pids - fleet.killed) == set()  # workers that exit unlink theirs
+
+
+def shm_segments(pids: set[int]) -> set[str]:
+    """The same-host transfer's segments in /dev/shm made by the processes ``pids``."""
+    return {
+        name
+        for name in os.listdir("/dev/shm")
+        if name.startswith("kvserve-pd-") and int(name.split("-")[2]) in pids
+    }
 
 
 def complete(url: str, prompt: str, **extra: Any) -> httpx.Response:
@@ -147,6 +163,13 @@ def assert_at_baseline(fleet: Fleet, within_s: float = 10.0) -> None:
     for worker in fleet.workers:
         if worker.alive():
             assert httpx.get(worker.url + "/debug/check", timeout=5).json() == {"ok": True}
+    # Segments of transfers that ended early are unlinked; only a live decode worker's
+    # kept ones (at most its pool, 256 MiB) remain.
+    live_decodes = {d.process.pid for d in fleet.decodes if d.alive()}
+    every = {w.process.pid for w in fleet.workers}
+    assert shm_segments(every - live_decodes - fleet.killed) == set()
+    kept = sum(os.path.getsize(f"/dev/shm/{name}") for name in shm_segments(live_decodes))
+    assert kept <= (256 << 20) * len(live_decodes)
 
 
 def test_pd_output_is_the_mixed_workers_greedy_output(fleet: Fleet) -> None:
@@ -159,6 +182,10 @@ def test_pd_output_is_the_mixed_workers_greedy_output(fleet: Fleet) -> None:
             pd.json()["choices"][0]["text"]
             == complete(fleet.mixed.url, prompt).json()["choices"][0]["text"]
         )
+    # The built-in transfer between workers of one host went through shared memory (the
+    # decode worker kept its segment), unless told to use the socket; Mooncake never does.
+    used_shm = bool(shm_segments({d.process.pid for d in fleet.decodes}))
+    assert used_shm == (fleet.same_host == "shm" and "mooncake" not in fleet.prefill.args)
     chat = {"messages": [{"role": "user", "content": words("gamma", 100)}], **GREEDY}
     answers = [
         httpx.post(url + "/v1/chat/completions", json=chat, timeout=60).json()
@@ -412,6 +439,7 @@ def test_client_cut_mid_transfer_releases_everything(fleet: Fleet) -> None:
 
 def test_decode_worker_killed_mid_transfer(fleet: Fleet) -> None:
     thread, result, victim = _catch_mid_transfer(fleet, "dkill")
+    fleet.killed.add(victim.process.pid)
     victim.kill()
     thread.join(60)
     assert result[0].status_code == 200  # nothing had reached the client: retried elsewhere

@@ -145,12 +145,20 @@ def greedy_completion(client: httpx.Client, prompt: str) -> httpx.Response:
     return response
 
 
-@pytest.mark.parametrize("kv_transfer", ["tcp", "mooncake"])
+def shm_segments() -> set[str]:
+    return {name for name in os.listdir("/dev/shm") if name.startswith("kvserve-pd-")}
+
+
+@pytest.mark.parametrize(
+    ("kv_transfer", "same_host"), [("tcp", "shm"), ("tcp", "socket"), ("mooncake", "shm")]
+)
 def test_pd_mode_answers_as_mixed_names_both_workers_and_sigterm_stops_it(
-    fleet, cache_dir: Path, kv_transfer: str
+    fleet, cache_dir: Path, kv_transfer: str, same_host: str
 ) -> None:
     _, mixed = fleet
-    pd = start_up(cache_dir, "--prefill", "1", "--decode", "1", "--kv-transfer", kv_transfer)
+    before = shm_segments()
+    pd = start_up(cache_dir, "--prefill", "1", "--decode", "1", "--kv-transfer", kv_transfer,
+                  "--kv-transfer-same-host", same_host)  # fmt: skip
     try:
         assert "making the tiny model" not in pd.log_tail()  # the cached model is reused
         listed = httpx.get(pd.url + "/workers", timeout=10).json()["workers"]
@@ -174,7 +182,11 @@ def test_pd_mode_answers_as_mixed_names_both_workers_and_sigterm_stops_it(
         assert "policy=cache_aware" in headers["x-kvserve-decision"]
         expected = greedy_completion(mixed, prompt).json()["choices"][0]["text"]
         assert answer.json()["choices"][0]["text"] == expected
+        # The decode worker keeps the segment the transfer went through, if it used one.
+        used_shm = bool(shm_segments() - before)
+        assert used_shm == (kv_transfer == "tcp" and same_host == "shm")
         stop_and_check(pd, signal.SIGTERM, [worker["url"] for worker in listed])
+        assert shm_segments() - before == set()  # unlinked when the worker stopped
     finally:
         pd.stop()
 

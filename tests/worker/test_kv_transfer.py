@@ -4,6 +4,7 @@ every failure reaches the decode side as a KVTransferError."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -92,6 +93,8 @@ async def test_blocks_travel_and_the_decode_engine_generates_the_mixed_output(
     assert run(decode)["r"] == run(mixed)["m"]
     assert decode.scheduler.stats.computed_tokens == 8  # the last prompt token, 7 decodes
     decode.check()
+    receiver.close()  # the same-host segment it kept is unlinked
+    assert not [name for name in os.listdir("/dev/shm") if f"-{os.getpid()}-" in name]
 
 
 async def test_a_foreign_layout_is_refused_by_the_sender(

@@ -135,6 +135,14 @@ def register(app: typer.Typer) -> None:
         kv_transfer: Annotated[
             str, typer.Option(help="PD mode: how KV blocks travel: tcp (built-in) | mooncake.")
         ] = "tcp",
+        kv_transfer_same_host: Annotated[
+            str,
+            typer.Option(
+                help="PD mode, built-in tcp transfer, peers on one host: the KV bytes go "
+                "through shared memory (shm, falls back to the socket when the peer cannot "
+                "map it) or the socket."
+            ),
+        ] = "shm",
         api_key: Annotated[
             str | None,
             typer.Option(
@@ -179,6 +187,8 @@ def register(app: typer.Typer) -> None:
             )
         if kv_transfer not in ("tcp", "mooncake"):
             raise typer.BadParameter("use tcp or mooncake", param_hint="--kv-transfer")
+        if kv_transfer_same_host not in ("shm", "socket"):
+            raise typer.BadParameter("use shm or socket", param_hint="--kv-transfer-same-host")
         fleet = LocalFleet(
             model_dir,
             workers=workers,
@@ -196,6 +206,7 @@ def register(app: typer.Typer) -> None:
                 runner=runner,
                 sim_profile=sim_profile,
                 kv_transfer=kv_transfer,  # read by PD workers only
+                kv_transfer_same_host=kv_transfer_same_host,
             )
             + limit_args,
             router_args=limit_args,

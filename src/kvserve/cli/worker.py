@@ -99,6 +99,14 @@ def register(app: typer.Typer) -> None:
             str,
             typer.Option(help="PD roles: how KV blocks travel: tcp (built-in) | mooncake."),
         ] = "tcp",
+        kv_transfer_same_host: Annotated[
+            str,
+            typer.Option(
+                help="PD roles, built-in tcp transfer, peers on one host: the KV bytes go "
+                "through shared memory (shm, falls back to the socket when the peer cannot "
+                "map it) or the socket."
+            ),
+        ] = "shm",
         storage_write_policy: Annotated[
             str, typer.Option(help="Blocks written to storage: write_through | hit_count:K.")
         ] = "write_through",
@@ -126,7 +134,13 @@ def register(app: typer.Typer) -> None:
             is_storage_url,
             storage_usage,
         )
-        from kvserve.worker.config import WorkerConfig, is_kv_transfer, is_role, is_runner
+        from kvserve.worker.config import (
+            WorkerConfig,
+            is_kv_transfer,
+            is_role,
+            is_runner,
+            is_same_host_transfer,
+        )
         from kvserve.worker.server import serve
 
         dtypes = ("auto", "float32", "bfloat16", "float16")  # engine.device's (no torch here)
@@ -136,6 +150,8 @@ def register(app: typer.Typer) -> None:
             raise typer.BadParameter("must be at least 1", param_hint="--threads")
         if not is_kv_transfer(kv_transfer):
             raise typer.BadParameter("use tcp or mooncake", param_hint="--kv-transfer")
+        if not is_same_host_transfer(kv_transfer_same_host):
+            raise typer.BadParameter("use shm or socket", param_hint="--kv-transfer-same-host")
         if not is_role(role):
             raise typer.BadParameter("role must be mixed, prefill or decode", param_hint="--role")
         from kvserve.core.cost_model import profile
@@ -193,6 +209,7 @@ def register(app: typer.Typer) -> None:
                 pd=PDConfig(pd_min_remote_tokens, pd_local_hit_fraction),
                 kv_tiers=kv_tiers,
                 kv_transfer=kv_transfer,
+                kv_transfer_same_host=kv_transfer_same_host,
                 kv_events_publisher=kv_events_publisher,
                 kv_events_replay=kv_events_replay,
                 client_limits=client_limits,

@@ -13,6 +13,8 @@ from kvserve.engine.kv_tier_config import KVTierConfig
 Role = Literal["mixed", "prefill", "decode"]
 Runner = Literal["model", "sim"]  # sim: the cost-model runner, no weights
 KVTransfer = Literal["tcp", "mooncake"]  # mooncake: the kvserve[mooncake] extra
+# PD peers on one host: the built-in transfer's bytes through shared memory or the socket
+SameHostTransfer = Literal["shm", "socket"]
 
 
 def is_role(value: str) -> TypeGuard[Role]:
@@ -25,6 +27,10 @@ def is_runner(value: str) -> TypeGuard[Runner]:
 
 def is_kv_transfer(value: str) -> TypeGuard[KVTransfer]:
     return value in get_args(KVTransfer)
+
+
+def is_same_host_transfer(value: str) -> TypeGuard[SameHostTransfer]:
+    return value in get_args(SameHostTransfer)
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,6 +61,7 @@ class WorkerConfig:
     pd: PDConfig = field(default_factory=PDConfig)  # prefill and decode roles only
     kv_tiers: KVTierConfig = field(default_factory=KVTierConfig)  # host and storage tiers
     kv_transfer: KVTransfer = "tcp"  # how PD blocks travel: built-in TCP or Mooncake's engine
+    kv_transfer_same_host: SameHostTransfer = "shm"  # worker/shm_landing.py
     # KV events on ZMQ in vLLM's format too (worker/vllm_kv_publisher.py), and its replay
     kv_events_publisher: str | None = None
     kv_events_replay: str | None = None

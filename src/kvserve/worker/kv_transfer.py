@@ -99,3 +99,6 @@ class KVTransferReceiver(Protocol):
         returns the prompt tokens its cache served (its blocks keyed by ``cache_salt``, as
         the decode request's are). Raises :class:`KVTransferError` on any failure;
         cancelling the call cancels the transfer."""
+
+    def close(self) -> None:
+        """Release what is kept for later transfers (the worker stops)."""

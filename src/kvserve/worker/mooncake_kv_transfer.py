@@ -31,6 +31,7 @@ from kvserve.engine.kv_block_io import KVBlockLayout
 from kvserve.worker.kv_transfer import ExportSource
 from kvserve.worker.pd_wire import send_frame
 from kvserve.worker.run_buffers import RunBuffers
+from kvserve.worker.shm_landing import Segment
 from kvserve.worker.tcp_kv_transfer import Landing, PayloadLanding, TCPKVReceiver, TCPKVSender
 
 # After a failed or cancelled transfer the prefill side may still be writing into the
@@ -149,6 +150,9 @@ class _BufferLanding:
         run.copy_(self._buffer[start:end])
         return run.view(self._layout.torch_dtype).reshape(-1, *self._layout.block_shape)
 
+    def give_back(self, run: torch.Tensor) -> None:
+        self._buffers.give_back(run)
+
 
 class MooncakeKVReceiver(TCPKVReceiver):
     """A decode worker's side: one registered buffer per transfer, named in its request."""
@@ -160,11 +164,13 @@ class MooncakeKVReceiver(TCPKVReceiver):
         frame_timeout_s: float,
         api_key: str | None = None,
     ) -> None:
-        super().__init__(layout, frame_timeout_s, api_key=api_key)
+        super().__init__(layout, frame_timeout_s, api_key=api_key, same_host_shm=False)
         self._engine = engine
 
     @contextlib.contextmanager
-    def _landing(self, first_block: int, num_blocks: int) -> Iterator[Landing]:
+    def _landing(
+        self, first_block: int, num_blocks: int, segment: Segment | None
+    ) -> Iterator[Landing]:
         size = (num_blocks - first_block) * self._layout.block_nbytes
         if size <= 0:
             yield PayloadLanding(self._layout, self.buffers)

@@ -64,7 +64,10 @@ def transfer_sender(
 
         engine = MooncakeEngine(config.host)
         return MooncakeKVSender(EngineExports(bridge), exporter.layout, config.host, engine)
-    return TCPKVSender(EngineExports(bridge), exporter.layout, config.host)
+    same_host_shm = config.kv_transfer_same_host == "shm"
+    return TCPKVSender(
+        EngineExports(bridge), exporter.layout, config.host, same_host_shm=same_host_shm
+    )
 
 
 def transfer_receiver(config: WorkerConfig, importer: PDImporter) -> KVTransferReceiver:
@@ -76,7 +79,10 @@ def transfer_receiver(config: WorkerConfig, importer: PDImporter) -> KVTransferR
 
         engine = MooncakeEngine(config.host)
         return MooncakeKVReceiver(importer.layout, engine, timeout_s, api_key=config.api_key)
-    return TCPKVReceiver(importer.layout, frame_timeout_s=timeout_s, api_key=config.api_key)
+    same_host_shm = config.kv_transfer_same_host == "shm"
+    return TCPKVReceiver(
+        importer.layout, timeout_s, api_key=config.api_key, same_host_shm=same_host_shm
+    )
 
 
 class PDService:
@@ -111,6 +117,8 @@ class PDService:
             yield
         finally:
             sweeper.cancel()
+            assert self._receiver is not None, "decode role"
+            self._receiver.close()
 
     async def _sweep_leases(self) -> None:
         while True:

@@ -11,6 +11,10 @@ connection opened by the decode worker:
   with their bytes, in order, then ``{"type": "done", "cached_tokens"}`` or
   ``{"type": "error", "message"}``.
 
+A prefill frame may offer where the bytes go instead (``"shm"``: a same-host segment,
+:mod:`kvserve.worker.shm_landing`; ``"mooncake"``: a registered buffer); a ``blocks``
+frame whose bytes were put there says ``"placed": true`` and has no payload.
+
 Either side closing the connection cancels the transfer.
 
 Both sides speak it on blocking sockets (:mod:`kvserve.worker.blocking_socket`): a

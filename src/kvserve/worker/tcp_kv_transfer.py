@@ -16,6 +16,10 @@ when the engine is ahead of the network, go as one frame); the decode side reads
 frame's run with one ``recv_into`` straight into the tensor that is installed. The event loop keeps
 what it kept before: accepting, starting and aborting exports, noticing a hang-up while
 the engine computes, per-frame timeouts and cancellation (which closes the socket).
+
+Between workers of one host the runs' bytes skip the socket: the decode side offers a
+shared-memory segment and the prefill side copies each run into it, sending only the
+frames (:mod:`kvserve.worker.shm_landing`, ``--kv-transfer-same-host``).
 """
 
 from __future__ import annotations
@@ -39,6 +43,15 @@ from kvserve.worker.blocking_socket import BlockingSocket
 from kvserve.worker.kv_transfer import ExportSource, InstallRun, KVTransferError
 from kvserve.worker.pd_wire import ProtocolError, recv_frame_head, recv_into, send_frame
 from kvserve.worker.run_buffers import RunBuffers
+from kvserve.worker.shm_landing import (
+    Segment,
+    SegmentMaps,
+    SegmentPool,
+    ShmLanding,
+    host_id,
+    place_runs,
+    remove_orphans,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -59,6 +72,11 @@ _Arrival = tuple[int, torch.Tensor] | int | BaseException
 
 # Memory of installed runs a decode worker keeps for the next ones (run_buffers.py).
 RUN_BUFFER_KEEP_BYTES = 64 << 20
+
+# Shared-memory segments a decode worker keeps for the next transfers, and decode
+# workers' segments a prefill worker keeps mapped (shm_landing.py).
+SEGMENT_KEEP_BYTES = 256 << 20
+SEGMENT_MAP_KEEP_BYTES = 512 << 20
 
 # The most bytes of queued runs the sender joins into one run frame (TCPKVSender._gather):
 # the decode side then reads them with one call (benchmarks/kv_transfer_rate.py).
@@ -98,13 +116,18 @@ class _QueueSink:
 class TCPKVSender:
     """Serves the exports of ``exports`` to decode workers, on a free port of ``host``; a
     connection that sends no request within ``request_timeout_s`` is closed. Runs queued
-    behind each other leave as one frame of up to ``merge_bytes`` (0: one frame a run)."""
+    behind each other leave as one frame of up to ``merge_bytes`` (0: one frame a run).
+    With ``same_host_shm``, a decode worker's shared-memory segment (:mod:`shm_landing`)
+    that this host can map receives the runs' bytes instead of the frames."""
 
     def __init__(
         self, exports: ExportSource, layout: KVBlockLayout, host: str,
         request_timeout_s: float = REQUEST_TIMEOUT_S, merge_bytes: int = MERGE_BYTES,
+        same_host_shm: bool = True,
     ) -> None:  # fmt: skip
         self._merge_bytes = merge_bytes
+        self._host_id = host_id() if same_host_shm else ""
+        self._segments = SegmentMaps(self._host_id, SEGMENT_MAP_KEEP_BYTES)
         self._exports = exports
         self._layout = layout
         self._host = host
@@ -127,7 +150,7 @@ class TCPKVSender:
         self._accepting = asyncio.ensure_future(self._accept(listener))
 
     def info(self) -> dict[str, Any]:
-        return {"transfer_host": self._host, "transfer_port": self.port}
+        return {"transfer_host": self._host, "transfer_port": self.port, "host_id": self._host_id}
 
     async def close(self) -> None:
         """Stop listening and cancel every transfer (their exports are dropped)."""
@@ -210,6 +233,7 @@ class TCPKVSender:
     ) -> bool:  # fmt: skip
         """Sending thread: write the export's items until it ends; True if it is still
         running (the decode side hung up, or the sender is closing)."""
+        segment = self._segments.open(request.get("shm"))
         pending: tuple[Any, ...] | None = None
         while True:
             kind, *rest = pending or items.get()
@@ -217,7 +241,10 @@ class TCPKVSender:
             if kind == "blocks":
                 runs = [rest[1]]
                 pending = self._gather(items, rest[0], runs)
-                self._send_runs(sock, request, rest[0], runs)
+                if segment is None:
+                    self._send_runs(sock, request, rest[0], runs)
+                else:
+                    self._place_runs(sock, request, segment, rest[0], runs)
             elif kind == "done":
                 send_frame(sock, {"type": "done", "cached_tokens": rest[0]})
                 return False
@@ -261,6 +288,18 @@ class TCPKVSender:
         header = {"type": "blocks", "first_block": first_block, "num_blocks": count}
         send_frame(sock, header, *(payload_view(run) for run in runs))
 
+    def _place_runs(
+        self, sock: socket.socket, request: dict[str, Any], segment: torch.Tensor,
+        first_block: int, runs: list[torch.Tensor],
+    ) -> None:  # fmt: skip
+        """Sending thread: consecutive runs copied into their slots of the decode side's
+        segment, then announced by one frame without a payload."""
+        offset = (first_block - int(request["first_block"])) * self._layout.block_nbytes
+        place_runs(segment, offset, runs)
+        count = sum(len(run) for run in runs)
+        header = {"type": "blocks", "first_block": first_block, "num_blocks": count}
+        send_frame(sock, header | {"placed": True})
+
 
 def _nbytes(blocks: torch.Tensor) -> int:
     return blocks.nelement() * blocks.element_size()
@@ -277,7 +316,9 @@ class TCPKVReceiver:
     """Fetches blocks from prefill workers, whose transfer addresses it learns from their
     ``/pd/info`` by URL (sending ``api_key``: workers of one fleet share one key; the
     transfer itself is raw TCP, no HTTP). ``frame_timeout_s`` bounds the wait for each
-    frame (a stalled prefill worker fails the transfer, as a lapsed lease would)."""
+    frame (a stalled prefill worker fails the transfer, as a lapsed lease would). With
+    ``same_host_shm``, a prefill worker on this host (the same ``host_id`` in its
+    ``/pd/info``) is offered a shared-memory segment to write the runs into."""
 
     def __init__(
         self,
@@ -285,12 +326,17 @@ class TCPKVReceiver:
         frame_timeout_s: float,
         info_timeout_s: float = 5.0,
         api_key: str | None = None,
+        same_host_shm: bool = True,
     ) -> None:
         self._layout = layout
         self._frame_timeout_s = frame_timeout_s
         self._info_timeout = aiohttp.ClientTimeout(total=info_timeout_s)
         self._info_headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        self._addresses: dict[str, tuple[str, int]] = {}
+        self._addresses: dict[str, tuple[tuple[str, int], str]] = {}  # address, host id
+        self._host_id = host_id() if same_host_shm else ""
+        if same_host_shm:
+            remove_orphans()
+        self.segments = SegmentPool(SEGMENT_KEEP_BYTES)
         self.buffers = RunBuffers(RUN_BUFFER_KEEP_BYTES)
 
     async def fetch(
@@ -303,16 +349,48 @@ class TCPKVReceiver:
         cache_salt: str | None = None,
     ) -> int:
         try:
-            address = await self._address(prefill_url)
-            with self._landing(first_block, num_blocks) as landing:
-                return await self.fetch_from(
-                    address, token_ids, first_block, num_blocks, install, landing, cache_salt
-                )
+            address, peer_host_id = await self._address(prefill_url)
+            same_host = bool(self._host_id) and peer_host_id == self._host_id
+            segment = await self._segment(num_blocks - first_block) if same_host else None
+            finished = False
+            try:
+                with self._landing(first_block, num_blocks, segment) as landing:
+                    cached = await self.fetch_from(
+                        address, token_ids, first_block, num_blocks, install, landing, cache_salt
+                    )
+                finished = True
+                return cached
+            finally:
+                if segment is not None and finished:  # ``done`` came: no write is in flight
+                    self.segments.give_back(segment)
+                elif segment is not None:  # the prefill side may still write: never reused
+                    segment.close()
         except _TRANSFER_ERRORS as exc:
             self._addresses.pop(prefill_url, None)  # it may have restarted on another port
             raise KVTransferError(f"KV transfer from {prefill_url} failed: {exc!r}") from exc
 
-    async def _address(self, url: str) -> tuple[str, int]:
+    def close(self) -> None:
+        """Unlink the shared segments kept for later transfers."""
+        self.segments.close()
+
+    async def _segment(self, count: int) -> Segment | None:
+        """A shared segment for ``count`` blocks, taken on a thread (a new one's pages
+        are allocated); None if there is nothing to land or ``/dev/shm``
+        cannot hold it."""
+        if count <= 0:
+            return None
+        nbytes = count * self._layout.block_nbytes
+        making = asyncio.ensure_future(asyncio.to_thread(self.segments.take, nbytes))
+        try:
+            return await asyncio.shield(making)
+        except OSError as exc:
+            logger.warning("no shared segment for a KV transfer, using the socket: %r", exc)
+            return None
+        except asyncio.CancelledError:
+            making.add_done_callback(_close_made)  # cancelled while the thread made it
+            raise
+
+    async def _address(self, url: str) -> tuple[tuple[str, int], str]:
         known = self._addresses.get(url)
         if known is not None:
             return known
@@ -322,8 +400,9 @@ class TCPKVReceiver:
         ):
             response.raise_for_status()
             info = await response.json()
-        address = self._addresses[url] = (str(info["transfer_host"]), int(info["transfer_port"]))
-        return address
+        address = (str(info["transfer_host"]), int(info["transfer_port"]))
+        known = self._addresses[url] = (address, str(info.get("host_id", "")))
+        return known
 
     async def fetch_from(
         self,
@@ -366,15 +445,27 @@ class TCPKVReceiver:
                 if isinstance(item, int):
                     return item
                 await install(*item)
-                self.buffers.give_back(item[1])  # installed: its memory is free again
+                landing.give_back(item[1])  # installed: its memory is free again
         finally:
             conn.close()
 
     def _landing(
-        self, first_block: int, num_blocks: int
+        self, first_block: int, num_blocks: int, segment: Segment | None
     ) -> contextlib.AbstractContextManager[Landing]:
-        """Where one transfer's bytes arrive: here in the run frames' payloads."""
-        return contextlib.nullcontext(PayloadLanding(self._layout, self.buffers))
+        """Where one transfer's bytes arrive: in ``segment`` if there is one (the
+        caller gives it back), else in the run frames' payloads."""
+        payloads = PayloadLanding(self._layout, self.buffers)
+        if segment is None:
+            return contextlib.nullcontext(payloads)
+        shm = ShmLanding(
+            self._layout, segment.name, segment.memory, first_block, payloads, self._host_id
+        )
+        return contextlib.nullcontext(shm)
+
+
+def _close_made(making: asyncio.Future[Segment]) -> None:
+    if not making.cancelled() and making.exception() is None:
+        making.result().close()
 
 
 async def _connect(address: tuple[str, int], timeout_s: float) -> BlockingSocket:
@@ -436,6 +527,9 @@ class Landing(Protocol):
         """Receiving thread: the blocks of a run frame (its header checked, its payload
         next on ``sock``), in memory the receiver's ``RunBuffers`` lent."""
 
+    def give_back(self, run: torch.Tensor) -> None:
+        """``run``, one of ``run_blocks``'s, is installed: its memory may be reused."""
+
 
 class PayloadLanding:
     """Runs arrive as the frames' payloads, read straight into the blocks' tensor."""
@@ -456,3 +550,6 @@ class PayloadLanding:
         memory = self._buffers.take(payload_len)
         recv_into(sock, payload_view(memory))
         return memory.view(self._layout.torch_dtype).reshape(count, *self._layout.block_shape)
+
+    def give_back(self, run: torch.Tensor) -> None:
+        self._buffers.give_back(run)
