@@ -22,6 +22,7 @@ import pytest
 
 from kvserve.engine.pd_import import DEFAULT_LEASE_TTL_S
 from kvserve.router.local_fleet import KVSERVE_COMMAND, ServerProcess
+from tests.support.ledger_check import ledger_check
 from tests.support.metrics_text import by_label, samples
 from tests.support.ports import free_port
 
@@ -162,7 +163,7 @@ def assert_at_baseline(fleet: Fleet, within_s: float = 10.0) -> None:
         time.sleep(0.05)
     for worker in fleet.workers:
         if worker.alive():
-            assert httpx.get(worker.url + "/debug/check", timeout=5).json() == {"ok": True}
+            assert ledger_check(worker.url) == {"ok": True}
     # Segments of transfers that ended early are unlinked; only a live decode worker's
     # kept ones (at most its pool, 256 MiB) remain.
     live_decodes = {d.process.pid for d in fleet.decodes if d.alive()}

@@ -16,6 +16,7 @@ import pytest
 
 from kvserve.bench.steady_load import Outcome, SteadyLoad
 from kvserve.router.local_fleet import ServerProcess
+from tests.support.ledger_check import ledger_check
 from tests.support.metrics_text import by_label, samples
 from tests.support.up_fleet import start_up, worker_pids
 
@@ -77,11 +78,7 @@ def assert_nothing_held(up: ServerProcess) -> None:
             return load["running"] == 0 and load["waiting"] == 0
 
         wait_for(idle, 30, f"{url} idle")
-        check = httpx.get(url + "/debug/check", timeout=30)
-        while check.status_code == 429:  # a check ran moments ago: come back when told
-            time.sleep(float(check.headers["Retry-After"]))
-            check = httpx.get(url + "/debug/check", timeout=30)
-        assert check.status_code == 200 and check.json() == {"ok": True}, check.text
+        assert ledger_check(url) == {"ok": True}
 
 
 def assert_none_hung_and_only_streams_cut(outcomes: list[Outcome], victim: str) -> None:

@@ -10,6 +10,7 @@ from typing import Any
 import httpx
 
 from kvserve.router.local_fleet import ServerProcess
+from tests.support.ledger_check import ledger_check
 from tests.worker.worker_process import AUTH, load, served_model
 
 NUM_CLIENTS = 50
@@ -62,7 +63,7 @@ def assert_every_block_free_or_cached(worker: ServerProcess) -> None:
     assert idle["running"] == 0
     assert idle["waiting"] == 0
     assert idle["free_blocks"] + idle["cached_blocks"] == idle["total_blocks"]
-    assert httpx.get(f"{worker.url}/debug/check", headers=AUTH).json() == {"ok": True}
+    assert ledger_check(worker.url, AUTH) == {"ok": True}
 
 
 def aborted_requests(worker: ServerProcess) -> float:

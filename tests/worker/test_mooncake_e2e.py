@@ -11,9 +11,8 @@ from __future__ import annotations
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import httpx
-
 from tests.support import mooncake_master as mooncake_support
+from tests.support.ledger_check import ledger_check
 from tests.support.metrics_text import samples
 from tests.worker.test_tiers_e2e import FIRST, PREFIX, SECOND, _cold_text, _complete, _wait_until
 from tests.worker.worker_process import AUTH, start_worker
@@ -45,7 +44,7 @@ def test_worker_b_loads_what_a_stopped_worker_stored(
     try:
         text, cached = _complete(worker_b.url, model, SECOND)
         assert text and (text, cached) == (_cold_text(tiny_model_dir, SECOND), 192)
-        assert httpx.get(f"{worker_b.url}/debug/check", headers=AUTH).status_code == 200
+        assert ledger_check(worker_b.url, AUTH) == {"ok": True}
         metrics = samples(f"{worker_b.url}/metrics", AUTH)
         assert metrics[("kvserve_kv_tier_storage_hit_tokens_total", frozenset())] == 192
     finally:
@@ -69,7 +68,7 @@ def test_master_killed_under_load_then_restarted(
             for prompt, answer in zip(prompts, answers, strict=True):
                 assert answer.result(timeout=120)[0] == expected[tuple(prompt)]
         assert _faults(worker.url) >= 1
-        assert httpx.get(f"{worker.url}/debug/check", headers=AUTH).status_code == 200
+        assert ledger_check(worker.url, AUTH) == {"ok": True}
         mooncake_store.start_master()  # back, empty
         fresh = [[(17 * i + j) % 900 + 5 for i in range(192)] + [7] for j in range(1, 60)]
         attempt = 0

@@ -18,6 +18,7 @@ import redis
 from kvserve.core.sampling_params import SamplingParams
 from kvserve.engine.llm_engine import LLMEngine
 from tests.support import redis_server as redis_support
+from tests.support.ledger_check import ledger_check
 from tests.support.metrics_text import samples
 from tests.worker.worker_process import AUTH, start_worker
 
@@ -77,7 +78,7 @@ def test_worker_b_loads_what_worker_a_stored(
         text, cached = _complete(worker_b.url, model, SECOND)
         assert text and (text, cached) == (_cold_text(tiny_model_dir, SECOND), 192)
         for worker in (worker_a, worker_b):
-            assert httpx.get(f"{worker.url}/debug/check", headers=AUTH).status_code == 200
+            assert ledger_check(worker.url, AUTH) == {"ok": True}
         metrics = samples(f"{worker_b.url}/metrics", AUTH)
         assert metrics[("kvserve_kv_tier_storage_hit_tokens_total", frozenset())] == 192
         assert metrics[("kvserve_kv_tier_host_capacity_blocks", frozenset())] == 64
