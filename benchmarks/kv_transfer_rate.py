@@ -18,7 +18,10 @@ side by side in one run:
   round, as a decode worker keeps it; the sender keeps its mapping), the sender copies
   each run into it and sends a payload-less frame, the receiver installs from the
   segment in place, then gives it back; all of that is timed (``--fresh-segment`` adds
-  the same with a new segment every round, its pages allocated and mapped anew);
+  the same with a new segment every round, its pages allocated and mapped anew;
+  ``--first-transfer`` adds a decode worker's first transfer: a new receiver, started as
+  a worker starts it (its first segment made then, untimed), whose segment the sender
+  has never mapped);
 - **Mooncake TCP**: the Mooncake Transfer Engine (P2P handshake, ``tcp`` protocol)
   writing each run into the receiver's registered buffer (``transfer_sync_write``), as
   ``MooncakeKVSender`` does, the receiver copying each run out as ``MooncakeKVReceiver``
@@ -30,7 +33,8 @@ side by side in one run:
   size (pages touched beforehand): the reference, one copy of each byte.
 
 Run: ``python benchmarks/kv_transfer_rate.py [--megabytes 256] [--run-megabytes 4]
-[--rounds 3] [--no-mooncake] [--fresh-memory] [--unmerged] [--fresh-segment]``. The
+[--rounds 3] [--no-mooncake] [--fresh-memory] [--unmerged] [--fresh-segment]
+[--first-transfer]``. The
 paths alternate round by round; prints GB/s (median of the rounds, and every round) and
 each median's ratio to memcpy's.
 """
@@ -154,6 +158,19 @@ def tcp_rate(
     return total / asyncio.run(fetch()) / 1e9
 
 
+def first_transfer_rate(port: int, total: int) -> float:
+    """A decode worker's first transfer: its receiver started (the first segment made,
+    as at the worker's start, untimed), then one transfer into that segment timed."""
+    receiver = TCPKVReceiver(
+        LAYOUT, frame_timeout_s=60.0, max_transfer_blocks=total // LAYOUT.block_nbytes
+    )
+    asyncio.run(receiver.start())
+    try:
+        return tcp_rate(port, total, receiver, receiver.segments)
+    finally:
+        receiver.close()
+
+
 # --- raw socket --------------------------------------------------------------------------
 
 
@@ -232,6 +249,9 @@ def main() -> None:
     parser.add_argument(
         "--fresh-segment", action="store_true", help="add kvserve shm into a new segment"
     )
+    parser.add_argument(
+        "--first-transfer", action="store_true", help="add a started receiver's first transfer"
+    )
     args = parser.parse_args()
     total, run = args.megabytes * MB, args.run_megabytes * MB
     torch.set_num_threads(1)
@@ -258,6 +278,8 @@ def main() -> None:
     if args.fresh_segment:
         fresh = SegmentPool(keep_bytes=0)
         paths["shm, fresh"] = lambda: tcp_rate(tcp_port, total, receivers[0], fresh)
+    if args.first_transfer:
+        paths["shm, first"] = lambda: first_transfer_rate(tcp_port, total)
     if args.unmerged:
         unmerged_port = peer(_tcp_sender, total, run, 0).recv()
         paths["kvserve, unmerged"] = lambda: tcp_rate(unmerged_port, total, receivers[1])

@@ -25,6 +25,7 @@ from kvserve.router.local_fleet import KVSERVE_COMMAND, ServerProcess
 from tests.support.ledger_check import ledger_check
 from tests.support.metrics_text import by_label, samples
 from tests.support.ports import free_port
+from tests.support.shm_maps import segments_mapped_by_a_peer
 
 T = TypeVar("T")
 
@@ -184,8 +185,10 @@ def test_pd_output_is_the_mixed_workers_greedy_output(fleet: Fleet) -> None:
             == complete(fleet.mixed.url, prompt).json()["choices"][0]["text"]
         )
     # The built-in transfer between workers of one host went through shared memory (the
-    # decode worker kept its segment), unless told to use the socket; Mooncake never does.
-    used_shm = bool(shm_segments({d.process.pid for d in fleet.decodes}))
+    # prefill worker mapped a decode worker's segment to write into it), unless told to
+    # use the socket; Mooncake never does.
+    decodes_segments = shm_segments({d.process.pid for d in fleet.decodes})
+    used_shm = bool(segments_mapped_by_a_peer() & decodes_segments)
     assert used_shm == (fleet.same_host == "shm" and "mooncake" not in fleet.prefill.args)
     chat = {"messages": [{"role": "user", "content": words("gamma", 100)}], **GREEDY}
     answers = [

@@ -22,6 +22,7 @@ from kvserve.router.local_fleet import KVSERVE_COMMAND, ServerProcess
 from tests.support import client_limit_checks as checks
 from tests.support.client_limit_checks import MAX_HEADER_BYTES
 from tests.support.metrics_text import samples
+from tests.support.shm_maps import segments_mapped_by_a_peer
 from tests.support.up_fleet import start_up
 
 SYSTEM = "You are a careful assistant. Always answer in exactly one short sentence. " * 3
@@ -182,8 +183,8 @@ def test_pd_mode_answers_as_mixed_names_both_workers_and_sigterm_stops_it(
         assert "policy=cache_aware" in headers["x-kvserve-decision"]
         expected = greedy_completion(mixed, prompt).json()["choices"][0]["text"]
         assert answer.json()["choices"][0]["text"] == expected
-        # The decode worker keeps the segment the transfer went through, if it used one.
-        used_shm = bool(shm_segments() - before)
+        # The prefill worker mapped the decode worker's segment, if the transfer used one.
+        used_shm = bool(segments_mapped_by_a_peer() & (shm_segments() - before))
         assert used_shm == (kv_transfer == "tcp" and same_host == "shm")
         stop_and_check(pd, signal.SIGTERM, [worker["url"] for worker in listed])
         assert shm_segments() - before == set()  # unlinked when the worker stopped

@@ -220,6 +220,38 @@ async def test_a_finished_transfers_segment_serves_the_next_one(
     assert own_segments() == set()
 
 
+async def test_a_started_receiver_makes_its_first_segment_before_any_transfer(
+    prefill: tuple[str, TCPKVSender, HeldExports],
+) -> None:
+    url, _, exports = prefill
+    receiver = TCPKVReceiver(LAYOUT, 10.0, max_transfer_blocks=3000)
+    await receiver.start()
+    try:
+        made = own_segments()
+        assert len(made) == 1
+        # 3,000 blocks of 512 bytes, rounded up to a power of two: any transfer fits.
+        assert receiver.segments.free_bytes == 2 << 20
+        fetching = asyncio.ensure_future(receiver.fetch(url, TOKENS, 0, 4, Installs()))
+        await until(lambda: len(exports.sinks) == 1, "the export started")
+        assert own_segments() == made  # the first transfer offered it: nothing new made
+        assert receiver.segments.free_bytes == 0
+        (sink,) = exports.sinks.values()
+        sink.blocks(0, blocks(4, 3.0))
+        sink.done(0)
+        assert await fetching == 0
+        assert own_segments() == made
+    finally:
+        receiver.close()
+    assert own_segments() == set()
+
+
+async def test_a_receiver_told_socket_makes_no_segment_at_start() -> None:
+    receiver = TCPKVReceiver(LAYOUT, 10.0, same_host_shm=False, max_transfer_blocks=3000)
+    await receiver.start()
+    assert own_segments() == set() and receiver.segments.free_bytes == 0
+    receiver.close()
+
+
 async def test_segments_of_a_dead_worker_are_removed_by_the_next_receiver() -> None:
     dead = await asyncio.create_subprocess_exec("true")
     await dead.wait()

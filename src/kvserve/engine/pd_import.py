@@ -87,6 +87,13 @@ class PDImporter(KVConnector):
     def num_reservations(self) -> int:
         return len(self._reserved)
 
+    @property
+    def max_transfer_blocks(self) -> int:
+        """The most blocks one transfer can land: a prompt shorter than the model's
+        length, in a pool of this size."""
+        cache = self._cache
+        return min(-(-self._max_model_len // cache.block_size), cache.num_blocks)
+
     def reserve(
         self,
         lease_id: str,

@@ -85,6 +85,10 @@ class KVTransferSender(Protocol):
 class KVTransferReceiver(Protocol):
     """A decode worker's side; runs on the worker's event loop."""
 
+    async def start(self) -> None:
+        """Prepare, before the worker serves, what its first transfer would otherwise
+        wait for."""
+
     async def fetch(
         self,
         prefill_url: str,

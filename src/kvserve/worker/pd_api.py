@@ -81,7 +81,11 @@ def transfer_receiver(config: WorkerConfig, importer: PDImporter) -> KVTransferR
         return MooncakeKVReceiver(importer.layout, engine, timeout_s, api_key=config.api_key)
     same_host_shm = config.kv_transfer_same_host == "shm"
     return TCPKVReceiver(
-        importer.layout, timeout_s, api_key=config.api_key, same_host_shm=same_host_shm
+        importer.layout,
+        timeout_s,
+        api_key=config.api_key,
+        same_host_shm=same_host_shm,
+        max_transfer_blocks=importer.max_transfer_blocks,
     )
 
 
@@ -112,12 +116,13 @@ class PDService:
             finally:
                 await self._sender.close()
             return
+        assert self._receiver is not None, "decode role"
+        await self._receiver.start()
         sweeper = asyncio.ensure_future(self._sweep_leases())
         try:
             yield
         finally:
             sweeper.cancel()
-            assert self._receiver is not None, "decode role"
             self._receiver.close()
 
     async def _sweep_leases(self) -> None:

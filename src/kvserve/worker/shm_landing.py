@@ -107,6 +107,11 @@ def remove_orphans() -> None:
             pass  # alive, another user's
 
 
+def _capacity(nbytes: int) -> int:
+    """A power of two, so that a kept segment fits later transfers of other sizes."""
+    return max(_MIN_SEGMENT_BYTES, 1 << (nbytes - 1).bit_length())
+
+
 class SegmentPool:
     """Decode side: segments to offer; up to ``keep_bytes`` of those given back after a
     transfer that finished are kept (named, so a worker has up to that much in
@@ -120,15 +125,20 @@ class SegmentPool:
         self._free_bytes = 0
 
     def take(self, nbytes: int) -> Segment:
-        """A segment of at least ``nbytes``: the smallest kept one, else a new one (a
-        power of two, so it fits later transfers). Blocking: a new one is allocated."""
+        """A segment of at least ``nbytes``: the smallest kept one, else a new one.
+        Blocking: a new one's pages are allocated."""
         with self._lock:
             found = bisect.bisect_left(self._free, (nbytes,))
             if found < len(self._free):
                 capacity, _, segment = self._free.pop(found)
                 self._free_bytes -= capacity
                 return segment
-        return Segment(max(_MIN_SEGMENT_BYTES, 1 << (nbytes - 1).bit_length()))
+        return Segment(_capacity(nbytes))
+
+    def stock(self, nbytes: int) -> None:
+        """Make and keep a segment for transfers of up to ``nbytes`` (at most what is
+        kept), so that the first transfer does not wait for its pages. Blocking."""
+        self.give_back(Segment(min(_capacity(nbytes), self._keep_bytes)))
 
     def give_back(self, segment: Segment) -> None:
         """``segment``'s transfer finished (no write into it is in flight): keep it, or

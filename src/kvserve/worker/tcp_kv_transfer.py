@@ -318,7 +318,8 @@ class TCPKVReceiver:
     transfer itself is raw TCP, no HTTP). ``frame_timeout_s`` bounds the wait for each
     frame (a stalled prefill worker fails the transfer, as a lapsed lease would). With
     ``same_host_shm``, a prefill worker on this host (the same ``host_id`` in its
-    ``/pd/info``) is offered a shared-memory segment to write the runs into."""
+    ``/pd/info``) is offered a shared-memory segment to write the runs into; one for
+    transfers of up to ``max_transfer_blocks`` is made at :meth:`start`."""
 
     def __init__(
         self,
@@ -327,6 +328,7 @@ class TCPKVReceiver:
         info_timeout_s: float = 5.0,
         api_key: str | None = None,
         same_host_shm: bool = True,
+        max_transfer_blocks: int = 0,
     ) -> None:
         self._layout = layout
         self._frame_timeout_s = frame_timeout_s
@@ -338,6 +340,18 @@ class TCPKVReceiver:
             remove_orphans()
         self.segments = SegmentPool(SEGMENT_KEEP_BYTES)
         self.buffers = RunBuffers(RUN_BUFFER_KEEP_BYTES)
+        self._max_transfer_blocks = max_transfer_blocks
+
+    async def start(self) -> None:
+        """Make the first shared segment now: its pages cost several times the copy
+        into them, which the first transfer would otherwise pay (docs/benchmarks.md)."""
+        if not self._host_id or self._max_transfer_blocks <= 0:
+            return
+        nbytes = self._max_transfer_blocks * self._layout.block_nbytes
+        try:
+            await asyncio.to_thread(self.segments.stock, nbytes)
+        except OSError as exc:
+            logger.warning("no shared segment made ahead of transfers: %r", exc)
 
     async def fetch(
         self,
