@@ -17,7 +17,7 @@ from aiohttp import web
 
 from kvserve.worker.kv_transfer import KVTransferError
 from kvserve.worker.pd_wire import recv_frame_head, send_frame
-from kvserve.worker.shm_landing import SHM_DIR, Segment, host_id
+from kvserve.worker.shm_landing import SHM_DIR, Segment, SegmentMaps, host_id
 from kvserve.worker.tcp_kv_transfer import TCPKVReceiver, TCPKVSender
 from tests.support.ports import free_port
 from tests.worker.test_tcp_kv_wire import (
@@ -250,6 +250,26 @@ async def test_a_receiver_told_socket_makes_no_segment_at_start() -> None:
     await receiver.start()
     assert own_segments() == set() and receiver.segments.free_bytes == 0
     receiver.close()
+
+
+def test_a_prefill_side_drops_the_mapping_of_a_closed_segment() -> None:
+    maps = SegmentMaps(host_id(), keep_bytes=8 << 20)
+    first, second = Segment(1 << 20), Segment(2 << 20)
+    try:
+        offer = {"name": first.name, "bytes": first.nbytes, "host_id": host_id()}
+        mapped = maps.open(offer)
+        assert mapped is not None and maps.kept_bytes == 1 << 20
+        assert maps.open(offer) is mapped  # kept: not mapped again
+        offer = {"name": second.name, "bytes": second.nbytes, "host_id": host_id()}
+        assert maps.open(offer) is not None
+        maps.drop_unlinked()
+        assert maps.kept_bytes == 3 << 20  # both named still
+        first.close()  # its decode worker is done with it
+        maps.drop_unlinked()
+        assert maps.kept_bytes == 2 << 20  # the closed segment's pages are not held here
+    finally:
+        first.close()
+        second.close()
 
 
 async def test_segments_of_a_dead_worker_are_removed_by_the_next_receiver() -> None:

@@ -167,14 +167,22 @@ class SegmentMaps:
     """Prefill side: decode workers' segments mapped here, kept (up to ``keep_bytes``,
     least recently used first out) so that a reused segment is not mapped again; mapping
     one costs its page tables, about twice the copy into it. A kept mapping holds the
-    file, so its inode number names it until it is dropped."""
+    file, so its inode number names it; those whose name is gone (their decode worker
+    closed them, or stopped) are dropped by :meth:`drop_unlinked`, called after each
+    transfer's last frame, so that they do not hold the pages of segments nobody can
+    offer again, and freeing those pages delays no transfer."""
 
     def __init__(self, own_host_id: str, keep_bytes: int) -> None:
         self._host_id = own_host_id
         self._keep_bytes = keep_bytes
         self._lock = threading.Lock()  # sending threads of concurrent transfers
-        self._maps: OrderedDict[tuple[int, int], torch.Tensor] = OrderedDict()
+        self._maps: OrderedDict[tuple[int, int], tuple[str, torch.Tensor]] = OrderedDict()
         self._bytes = 0
+
+    @property
+    def kept_bytes(self) -> int:
+        with self._lock:
+            return self._bytes
 
     def open(self, offer: Any) -> torch.Tensor | None:
         """The decode worker's segment ``offer`` mapped here, or None if it is not one
@@ -195,27 +203,45 @@ class SegmentMaps:
             found = os.fstat(fd)
             if not stat.S_ISREG(found.st_mode) or found.st_size != nbytes:
                 return None
-            return self._mapping(fd, (found.st_dev, found.st_ino), nbytes)
+            return self._mapping(fd, name, (found.st_dev, found.st_ino), nbytes)
         except (OSError, ValueError):
             return None
         finally:
             os.close(fd)
 
-    def _mapping(self, fd: int, key: tuple[int, int], nbytes: int) -> torch.Tensor:
+    def drop_unlinked(self) -> None:
+        with self._lock:
+            kept = [(key, name) for key, (name, _) in self._maps.items()]
+        gone = [key for key, name in kept if _inode(SHM_DIR / name) != key]
+        with self._lock:
+            for key in gone:
+                dropped = self._maps.pop(key, None)
+                if dropped is not None:
+                    self._bytes -= dropped[1].nbytes
+
+    def _mapping(self, fd: int, name: str, key: tuple[int, int], nbytes: int) -> torch.Tensor:
         with self._lock:
             kept = self._maps.get(key)
             if kept is not None:
                 self._maps.move_to_end(key)
-                return kept
+                return kept[1]
         memory = _mapped(fd, nbytes)
         with self._lock:
             if key not in self._maps and nbytes <= self._keep_bytes:
-                self._maps[key] = memory
+                self._maps[key] = (name, memory)
                 self._bytes += nbytes
             while self._bytes > self._keep_bytes:
-                _, dropped = self._maps.popitem(last=False)
+                _, (_, dropped) = self._maps.popitem(last=False)
                 self._bytes -= dropped.nbytes
         return memory
+
+
+def _inode(path: Path) -> tuple[int, int] | None:
+    try:
+        found = os.stat(path, follow_symlinks=False)
+    except OSError:
+        return None
+    return found.st_dev, found.st_ino
 
 
 def place_runs(segment: torch.Tensor, offset: int, runs: list[torch.Tensor]) -> None:

@@ -74,9 +74,11 @@ _Arrival = tuple[int, torch.Tensor] | int | BaseException
 RUN_BUFFER_KEEP_BYTES = 64 << 20
 
 # Shared-memory segments a decode worker keeps for the next transfers, and decode
-# workers' segments a prefill worker keeps mapped (shm_landing.py).
+# workers' segments a prefill worker keeps mapped (shm_landing.py): a live segment's
+# mapping costs only its page tables (the pages are the decode worker's), and one whose
+# segment is gone is dropped, so the prefill side keeps those of 16 full decode pools.
 SEGMENT_KEEP_BYTES = 256 << 20
-SEGMENT_MAP_KEEP_BYTES = 512 << 20
+SEGMENT_MAP_KEEP_BYTES = 4 << 30
 
 # The most bytes of queued runs the sender joins into one run frame (TCPKVSender._gather):
 # the decode side then reads them with one call (benchmarks/kv_transfer_rate.py).
@@ -233,6 +235,15 @@ class TCPKVSender:
     ) -> bool:  # fmt: skip
         """Sending thread: write the export's items until it ends; True if it is still
         running (the decode side hung up, or the sender is closing)."""
+        try:
+            return self._relay_items(request, items, sock)
+        finally:  # the decode side is not waiting on this thread any more
+            self._segments.drop_unlinked()
+
+    def _relay_items(
+        self, request: dict[str, Any], items: queue.SimpleQueue[tuple[Any, ...]],
+        sock: socket.socket,
+    ) -> bool:  # fmt: skip
         segment = self._segments.open(request.get("shm"))
         pending: tuple[Any, ...] | None = None
         while True:
