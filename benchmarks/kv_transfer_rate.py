@@ -60,6 +60,7 @@ from kvserve.worker.run_buffers import RunBuffers
 from kvserve.worker.shm_landing import SegmentPool, ShmLanding, host_id
 from kvserve.worker.tcp_kv_transfer import (
     MERGE_BYTES,
+    SEGMENT_KEEP_BYTES,
     Landing,
     PayloadLanding,
     TCPKVReceiver,
@@ -160,9 +161,11 @@ def tcp_rate(
 
 def first_transfer_rate(port: int, total: int) -> float:
     """A decode worker's first transfer: its receiver started (the first segment made,
-    as at the worker's start, untimed), then one transfer into that segment timed."""
+    as at the worker's start, untimed; sized as for a worker whose largest transfer
+    fills what it keeps, as a real model's long prompts do), then one transfer timed."""
+    largest = max(total, SEGMENT_KEEP_BYTES)
     receiver = TCPKVReceiver(
-        LAYOUT, frame_timeout_s=60.0, max_transfer_blocks=total // LAYOUT.block_nbytes
+        LAYOUT, frame_timeout_s=60.0, max_transfer_blocks=largest // LAYOUT.block_nbytes
     )
     asyncio.run(receiver.start())
     try:

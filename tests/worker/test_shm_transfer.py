@@ -257,11 +257,11 @@ def test_a_prefill_side_drops_the_mapping_of_a_closed_segment() -> None:
     first, second = Segment(1 << 20), Segment(2 << 20)
     try:
         offer = {"name": first.name, "bytes": first.nbytes, "host_id": host_id()}
-        mapped = maps.open(offer)
+        mapped = maps.open(offer, 1 << 20)
         assert mapped is not None and maps.kept_bytes == 1 << 20
-        assert maps.open(offer) is mapped  # kept: not mapped again
+        assert maps.open(offer, 1 << 20) is mapped  # kept: not mapped again
         offer = {"name": second.name, "bytes": second.nbytes, "host_id": host_id()}
-        assert maps.open(offer) is not None
+        assert maps.open(offer, 2 << 20) is not None
         maps.drop_unlinked()
         assert maps.kept_bytes == 3 << 20  # both named still
         first.close()  # its decode worker is done with it
@@ -270,6 +270,23 @@ def test_a_prefill_side_drops_the_mapping_of_a_closed_segment() -> None:
     finally:
         first.close()
         second.close()
+
+
+def test_a_prefill_side_maps_only_what_the_transfer_writes() -> None:
+    maps = SegmentMaps(host_id(), keep_bytes=64 << 20)
+    segment = Segment(32 << 20)  # a decode worker's segment, sized for its largest transfer
+    offer = {"name": segment.name, "bytes": segment.nbytes, "host_id": host_id()}
+    try:
+        small = maps.open(offer, 100_000)
+        assert small is not None and small.nbytes == 102_400  # whole pages
+        assert maps.open(offer, 50_000) is small  # a shorter transfer reuses it
+        larger = maps.open(offer, 3 << 20)
+        assert larger is not None and larger.nbytes == 3 << 20
+        assert maps.kept_bytes == 3 << 20  # in place of the shorter one
+        assert maps.open(offer, (32 << 20) + 1) is None  # more than the segment holds
+        assert maps.open(offer, 0) is None
+    finally:
+        segment.close()
 
 
 async def test_segments_of_a_dead_worker_are_removed_by_the_next_receiver() -> None:

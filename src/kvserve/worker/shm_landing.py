@@ -184,16 +184,19 @@ class SegmentMaps:
         with self._lock:
             return self._bytes
 
-    def open(self, offer: Any) -> torch.Tensor | None:
-        """The decode worker's segment ``offer`` mapped here, or None if it is not one
-        this host can serve (another host, a bad name, a missing file, another size):
-        the runs then travel as payload frames."""
-        if not self._host_id or not isinstance(offer, dict):
+    def open(self, offer: Any, needed: int) -> torch.Tensor | None:
+        """The first ``needed`` bytes of the decode worker's segment ``offer`` mapped
+        here, or None if it is not one this host can serve (another host, a bad name, a
+        missing file, another size, fewer bytes than needed): the runs then travel as
+        payload frames. Only what the transfer writes is mapped: a decode worker's
+        segment is sized for its largest transfer, and its page tables cost ~30 ms per
+        256 MiB (docs/benchmarks.md)."""
+        if not self._host_id or not isinstance(offer, dict) or needed <= 0:
             return None
         name, nbytes = offer.get("name"), offer.get("bytes")
         if offer.get("host_id") != self._host_id or not isinstance(name, str):
             return None
-        if not _SEGMENT_NAME.fullmatch(name) or not isinstance(nbytes, int) or nbytes <= 0:
+        if not _SEGMENT_NAME.fullmatch(name) or not isinstance(nbytes, int) or nbytes < needed:
             return None
         try:
             fd = os.open(SHM_DIR / name, os.O_RDWR | os.O_NOFOLLOW)  # never creates one
@@ -203,7 +206,8 @@ class SegmentMaps:
             found = os.fstat(fd)
             if not stat.S_ISREG(found.st_mode) or found.st_size != nbytes:
                 return None
-            return self._mapping(fd, name, (found.st_dev, found.st_ino), nbytes)
+            length = min(nbytes, -(-needed // mmap.PAGESIZE) * mmap.PAGESIZE)
+            return self._mapping(fd, name, (found.st_dev, found.st_ino), length)
         except (OSError, ValueError):
             return None
         finally:
@@ -219,17 +223,22 @@ class SegmentMaps:
                 if dropped is not None:
                     self._bytes -= dropped[1].nbytes
 
-    def _mapping(self, fd: int, name: str, key: tuple[int, int], nbytes: int) -> torch.Tensor:
+    def _mapping(self, fd: int, name: str, key: tuple[int, int], length: int) -> torch.Tensor:
+        """A kept mapping of at least ``length`` bytes of the file, else a new one (kept
+        in place of a shorter one)."""
         with self._lock:
             kept = self._maps.get(key)
-            if kept is not None:
+            if kept is not None and kept[1].nbytes >= length:
                 self._maps.move_to_end(key)
                 return kept[1]
-        memory = _mapped(fd, nbytes)
+        memory = _mapped(fd, length)
         with self._lock:
-            if key not in self._maps and nbytes <= self._keep_bytes:
+            shorter = self._maps.pop(key, None)
+            if shorter is not None:
+                self._bytes -= shorter[1].nbytes
+            if length <= self._keep_bytes:
                 self._maps[key] = (name, memory)
-                self._bytes += nbytes
+                self._bytes += length
             while self._bytes > self._keep_bytes:
                 _, (_, dropped) = self._maps.popitem(last=False)
                 self._bytes -= dropped.nbytes

@@ -244,7 +244,8 @@ class TCPKVSender:
         self, request: dict[str, Any], items: queue.SimpleQueue[tuple[Any, ...]],
         sock: socket.socket,
     ) -> bool:  # fmt: skip
-        segment = self._segments.open(request.get("shm"))
+        landed = int(request["num_blocks"]) - int(request["first_block"])
+        segment = self._segments.open(request.get("shm"), landed * self._layout.block_nbytes)
         pending: tuple[Any, ...] | None = None
         while True:
             kind, *rest = pending or items.get()
