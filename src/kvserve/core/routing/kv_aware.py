@@ -86,7 +86,7 @@ import xxhash
 
 from kvserve.core.cost_model import CostModel
 from kvserve.core.routing.future_cost import FutureCost, HolderPressure
-from kvserve.core.routing.kv_index import KVBlockIndex, WorkerMatch
+from kvserve.core.routing.kv_index import TIERS, KVBlockIndex, WorkerMatch
 from kvserve.core.routing.load_order import LoadOrder
 from kvserve.core.routing.tie_breaking import ReplicaSalt
 from kvserve.core.routing.types import TakeBack, WorkerLoad
@@ -94,6 +94,9 @@ from kvserve.core.routing.types import TakeBack, WorkerLoad
 _NO_MATCH = WorkerMatch({})
 # With a replica's salt: walks of the load orders for candidates (each adds up to three)
 SALTED_LOAD_ROUNDS = 4
+# Holders sharing one match: up to this many are listed and scanned; more are searched
+# in LoadOrder's arrays (a fixed cost of a few array operations, cheaper past this)
+GROUP_SCAN = 16
 
 
 class _Either:
@@ -357,7 +360,7 @@ class KvAwareRouting:
     def __init__(self, config: KvAwareConfig, index: KVBlockIndex | None = None) -> None:
         self.config = config
         self.index = index if index is not None else KVBlockIndex(config.index_max_entries)
-        self.loads = LoadOrder(config.prefill_s, config.decode_request_s)
+        self.loads = LoadOrder(config.prefill_s, config.decode_request_s, self.index.slot)
         self.queue = PrefillQueue(self.loads)
         self.future = FutureCost(HolderPressure(config.retention_margin, config.retention_window_s))
         self.salt: ReplicaSalt | None = None
@@ -400,27 +403,27 @@ class KvAwareRouting:
         if not by_id.keys() <= known:  # a subset test allocates nothing; rarely false
             for worker_id in by_id.keys() - known:
                 self.loads.update(by_id[worker_id])
-        matches = self.index.match_holders(block_hashes, now)
-        if not matches.keys() <= by_id.keys():
-            matches = {w: match for w, match in matches.items() if w in by_id}
+        groups = self.index.holder_groups(block_hashes, now)
         tie_key = block_hashes[-1] if block_hashes else prompt_tokens
-        candidates = [
-            *self._lightest_holders(matches, now),
-            *self._lightest_loads(by_id, matches, now, tie_key),
+        candidates = [(w, match) for w, match in groups.apart.items() if w in by_id]
+        for match, members in groups.on_device:
+            candidates += [(w, match) for w in self._lightest_holders(members, by_id, now, tie_key)]
+        candidates += [
+            (w, _NO_MATCH) for w in self._lightest_loads(by_id, groups.every, now, tie_key)
         ]
         scored = [
             (
                 by_id[w],
                 *_ttft(
                     by_id[w],
-                    matches.get(w, _NO_MATCH),
+                    match,
                     prompt_tokens,
                     block_size,
                     self.queue.queued_s(w, now),
                     self.config,
                 ),
             )
-            for w in candidates
+            for w, match in candidates
         ]
         weight = self._weight(scored, block_size, prompt_tokens, now)
         return _choose(scored, tie_key, prompt_tokens, self.config, weight, self.salt)
@@ -428,7 +431,7 @@ class KvAwareRouting:
     def _lightest_loads(
         self,
         by_id: Mapping[str, WorkerLoad],
-        holders: Mapping[str, WorkerMatch],
+        holders: Container[str],
         now: float,
         tie_key: int,
     ) -> set[str]:
@@ -459,23 +462,22 @@ class KvAwareRouting:
         held = {w.worker_id: self.index.num_blocks(w.worker_id) for w, _, c in scored if c}
         return self.future.weight(base, scored, held, block_size, prompt_tokens, now)
 
-    def _lightest_holders(self, matches: Mapping[str, WorkerMatch], now: float) -> list[str]:
-        """The holders worth predicting. Holders with the same match (blocks per tier)
-        differ only by their load term, so where many share one (a popular system
-        prompt, speculated wherever it was routed) only the lightest of them can win:
-        one pass over the group for the load term :class:`LoadOrder` keeps, not a
-        prediction each. Groups are the matches :meth:`KVBlockIndex.match_holders`
-        shares (every holder wholly on device to one depth); one with a host or storage
-        block is alone. Holders tied in (load term, sort key) all stay, for
-        :func:`_choose` to break.
+    def _lightest_holders(
+        self, members: int, eligible: Mapping[str, WorkerLoad], now: float, tie_key: int
+    ) -> list[str]:
+        """The holders worth predicting of a group sharing one match (``members``: the
+        first bits of their slots). They differ only by their load term, so where many
+        share one (a popular system prompt, speculated wherever it was routed) only the
+        lightest of them can win: a small group is listed and scanned for the load term
+        :class:`LoadOrder` keeps (holders tied in (load term, sort key) all stay, for
+        :func:`_choose` to break), a large one searched in its arrays without being
+        listed (of those tied, one stays, chosen by the request's tie key, as for the
+        lightest non-holders: a tie of a large group breaks among the candidates).
         """
-        groups: dict[int, list[str]] = {}  # by the shared match's identity
-        for worker_id, match in matches.items():
-            groups.setdefault(id(match), []).append(worker_id)
-        chosen: list[str] = []
-        for group in groups.values():
-            chosen += group if len(group) < 3 else self.loads.lightest_among(group, now)
-        return chosen
+        if members.bit_count() > GROUP_SCAN:
+            return self.loads.lightest_of_slots(members, len(TIERS), eligible, now, tie_key)
+        group = [w for w in self.index.members(members) if w in eligible]
+        return group if len(group) < 3 else self.loads.lightest_among(group, now)
 
     def expect_prefill(
         self, choice: KvAwareChoice, block_hashes: Sequence[int], prompt_tokens: int, now: float
