@@ -213,3 +213,28 @@ def test_a_large_group_of_holders_reduces_to_its_lightest(
         ]
     )
     assert_fast_equals_exhaustive(routing, loads, PROMPT[:prompt_blocks], now)
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    fleet=st.lists(shared, min_size=20, max_size=80),
+    prompt_blocks=st.integers(1, 12),
+    now=st.floats(0.0, 0.8),
+    left_out=st.sets(st.integers(0, 79), max_size=60),
+)
+def test_a_large_group_reduces_to_its_lightest_eligible_holder(
+    fleet: list[tuple[int, int, int, float | None, int]],
+    prompt_blocks: int,
+    now: float,
+    left_out: set[int],
+) -> None:
+    """Holders the router did not offer (taken out, tried) are still in the index's
+    groups and often the lightest: the search passes over them."""
+    routing, loads = build(
+        [
+            (requests, tokens, [(depth, "device", False)] if depth else [], queued, 0, others)
+            for requests, tokens, depth, queued, others in fleet
+        ]
+    )
+    workers = [w for i, w in enumerate(loads) if i not in left_out] or loads[:1]
+    assert_fast_equals_exhaustive(routing, workers, PROMPT[:prompt_blocks], now)
