@@ -128,15 +128,18 @@ class _SlotTerms:
         chance either way)."""
         size = (first_bits.bit_length() + 7) // 8
         raw = np.frombuffer(first_bits.to_bytes(size, "little"), np.uint8)
-        slots = np.flatnonzero(np.unpackbits(raw, bitorder="little")[::bits_per_slot])
-        slots = slots[slots < len(self.fixed_s)]
-        queued = self.done_at[slots] - now
+        kept = len(self.fixed_s) * bits_per_slot  # slots past the arrays hold no worker
+        slots = np.flatnonzero(np.unpackbits(raw, bitorder="little")[:kept:bits_per_slot])
         fixed = self.fixed_s[slots]
-        term = np.where(queued > 0.0, np.minimum(queued, self.guarded_s[slots]) + fixed, fixed)
-        if not len(term) or term.min() == np.inf:
+        # min(queued, guarded) where a queue is left (else 0) + fixed: a drained queue's
+        # negative remainder clipped to 0 leaves the fixed part alone
+        queued = np.maximum(self.done_at[slots] - now, 0.0)
+        term = np.minimum(queued, self.guarded_s[slots]) + fixed
+        lightest = term.min() if len(term) else np.inf
+        if lightest == np.inf:
             return []
         # whatever rounds to the smallest term is within 1 ns of it
-        near = term <= term.min() + 2e-9
+        near = term <= lightest + 2e-9
         slots, term = slots[near], term[near]
         requests, tokens = self.requests[slots], self.tokens[slots]
         if len(slots) > 1:
