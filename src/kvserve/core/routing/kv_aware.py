@@ -94,6 +94,9 @@ from kvserve.core.routing.types import TakeBack, WorkerLoad
 _NO_MATCH = WorkerMatch({})
 # With a replica's salt: walks of the load orders for candidates (each adds up to three)
 SALTED_LOAD_ROUNDS = 4
+# Fleets of up to this many workers are predicted whole (the reference rule): finding
+# the few worth predicting costs more than predicting them all there
+SMALL_FLEET = 16
 # Holders sharing one match: up to this many are listed and scanned; more are searched
 # in LoadOrder's arrays (a fixed cost of a few array operations, cheaper past this)
 GROUP_SCAN = 16
@@ -396,37 +399,53 @@ class KvAwareRouting:
         """The worker with the smallest predicted TTFT; nothing is recorded.
 
         Only the holders of a prefix and the lightest loads are predicted (see the
-        module docstring); a worker not seen before is learnt from ``workers``.
+        module docstring); a worker not seen before is learnt from ``workers``. A fleet
+        of up to ``SMALL_FLEET`` workers is predicted whole: the reference rule, cheaper
+        there than finding the few worth predicting.
         """
+        tie_key = block_hashes[-1] if block_hashes else prompt_tokens
+        if len(workers) <= SMALL_FLEET:
+            for worker in workers:
+                if worker.worker_id not in self.loads.known:
+                    self.loads.update(worker)
+            matches = self.index.match_holders(block_hashes, now)
+            candidates = [(w, matches.get(w.worker_id, _NO_MATCH)) for w in workers]
+        else:
+            candidates = self._candidates(workers, block_hashes, now, tie_key)
+        scored = [
+            (
+                worker,
+                *_ttft(
+                    worker,
+                    match,
+                    prompt_tokens,
+                    block_size,
+                    self.queue.queued_s(worker.worker_id, now),
+                    self.config,
+                ),
+            )
+            for worker, match in candidates
+        ]
+        weight = self._weight(scored, block_size, prompt_tokens, now)
+        return _choose(scored, tie_key, prompt_tokens, self.config, weight, self.salt)
+
+    def _candidates(
+        self, workers: Sequence[WorkerLoad], block_hashes: Sequence[int], now: float, tie_key: int
+    ) -> list[tuple[WorkerLoad, WorkerMatch]]:
+        """The workers worth predicting, with their matches: the holders (the lightest of
+        a group sharing one match) and the lightest non-holders."""
         by_id = {w.worker_id: w for w in workers}
         known = self.loads.known
         if not by_id.keys() <= known:  # a subset test allocates nothing; rarely false
             for worker_id in by_id.keys() - known:
                 self.loads.update(by_id[worker_id])
         groups = self.index.holder_groups(block_hashes, now)
-        tie_key = block_hashes[-1] if block_hashes else prompt_tokens
-        candidates = [(w, match) for w, match in groups.apart.items() if w in by_id]
+        chosen = [(w, match) for w, match in groups.apart.items() if w in by_id]
         for match, members in groups.on_device:
-            candidates += [(w, match) for w in self._lightest_holders(members, by_id, now, tie_key)]
-        candidates += [
-            (w, _NO_MATCH) for w in self._lightest_loads(by_id, groups.every, now, tie_key)
-        ]
-        scored = [
-            (
-                by_id[w],
-                *_ttft(
-                    by_id[w],
-                    match,
-                    prompt_tokens,
-                    block_size,
-                    self.queue.queued_s(w, now),
-                    self.config,
-                ),
-            )
-            for w, match in candidates
-        ]
-        weight = self._weight(scored, block_size, prompt_tokens, now)
-        return _choose(scored, tie_key, prompt_tokens, self.config, weight, self.salt)
+            chosen += [(w, match) for w in self._lightest_holders(members, by_id, now, tie_key)]
+        lightest = self._lightest_loads(by_id, groups.every, now, tie_key)
+        chosen += [(w, _NO_MATCH) for w in lightest]
+        return [(by_id[w], match) for w, match in chosen]
 
     def _lightest_loads(
         self,

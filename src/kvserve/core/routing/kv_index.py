@@ -106,7 +106,12 @@ class KVBlockIndex:
         # worker -> hash -> deadline; the heap orders deadlines for cleanup
         self._speculative: dict[str, dict[int, float]] = {}
         self._speculative_holders: dict[int, int] = {}  # hash -> first bits of its workers
+        # (deadline, worker, batch), soonest first; a batch: the blocks one call speculated
+        # (kept apart from the heap: tuples of atomic values only, which the collector
+        # stops tracking)
         self._deadlines: list[tuple[float, str, int]] = []
+        self._batches: dict[int, tuple[int, ...]] = {}
+        self._next_batch = 0
         self.num_entries = 0  # (block, worker, tier) bits set
         self.evicted_entries = 0
         self._max_entries = max_entries
@@ -248,15 +253,25 @@ class KVBlockIndex:
 
     def speculate(self, worker_id: str, block_hashes: Sequence[int], deadline: float) -> None:
         """Predict that ``worker_id`` will hold these blocks; forgotten after ``deadline``
-        unless a ``stored`` event confirms them first."""
+        unless a ``stored`` event confirms them first. One deadline entry per call, not
+        per block: a 128-block prompt is one heap push."""
         pending = self._speculative.setdefault(worker_id, {})
         bit = _bit(self._slot(worker_id), "device")
         speculative_holders, holders = self._speculative_holders, self._holders
+        fresh: list[int] = []
         for block_hash in block_hashes:
-            if not _mask(holders.get(block_hash, 0)) & bit:  # not confirmed on device
+            mask = holders.get(block_hash, 0)
+            if mask < 0:
+                mask = 1 << ~mask
+            if not mask & bit:  # not confirmed on device
                 pending[block_hash] = deadline
                 speculative_holders[block_hash] = speculative_holders.get(block_hash, 0) | bit
-                heapq.heappush(self._deadlines, (deadline, worker_id, block_hash))
+                fresh.append(block_hash)
+        if fresh:
+            batch = self._next_batch
+            self._next_batch += 1
+            self._batches[batch] = tuple(fresh)
+            heapq.heappush(self._deadlines, (deadline, worker_id, batch))
 
     def withdraw(self, worker_id: str, block_hashes: Sequence[int], deadline: float) -> None:
         """Take back ``speculate(worker_id, block_hashes, deadline)``: the entries it set
@@ -274,12 +289,17 @@ class KVBlockIndex:
         """Drop speculative entries whose deadline passed; returns how many."""
         dropped = 0
         while self._deadlines and self._deadlines[0][0] <= now:
-            deadline, worker_id, block_hash = heapq.heappop(self._deadlines)
+            deadline, worker_id, batch = heapq.heappop(self._deadlines)
+            block_hashes = self._batches.pop(batch)
             pending = self._speculative.get(worker_id)
-            if pending is not None and pending.get(block_hash) == deadline:
-                del pending[block_hash]
-                self._drop_speculative_bit(block_hash, _bit(self._slots[worker_id], "device"))
-                dropped += 1
+            if not pending:
+                continue
+            bit = _bit(self._slots[worker_id], "device")
+            for block_hash in block_hashes:
+                if pending.get(block_hash) == deadline:
+                    del pending[block_hash]
+                    self._drop_speculative_bit(block_hash, bit)
+                    dropped += 1
         return dropped
 
     def num_speculative(self, worker_id: str) -> int:
