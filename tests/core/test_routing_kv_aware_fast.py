@@ -5,11 +5,18 @@ and loads leave a tie."""
 
 from __future__ import annotations
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvserve.core.kv_events import KVEvent
-from kvserve.core.routing.kv_aware import KvAwareConfig, KvAwareRouting, lowest_ttft, predict
+from kvserve.core.routing.kv_aware import (
+    SMALL_FLEET,
+    KvAwareConfig,
+    KvAwareRouting,
+    lowest_ttft,
+    predict,
+)
 from kvserve.core.routing.kv_index import TIERS
 from kvserve.core.routing.types import WorkerLoad
 
@@ -42,8 +49,12 @@ worker = st.tuples(
 
 def build(
     fleet: list[tuple[int, int, list[tuple[int, str, bool]], float | None, int, int]],
+    small_fleet: int = 0,
 ) -> tuple[KvAwareRouting, list[WorkerLoad]]:
+    """A routing over ``fleet``; fleets up to ``small_fleet`` workers predicted whole
+    (0: the fast rule at every size, the one these tests check)."""
     routing = KvAwareRouting(CONFIG)
+    routing.small_fleet = small_fleet
     loads = []
     for i, (requests, tokens, holdings, queued, speculative, others) in enumerate(fleet):
         worker_id = f"w{i}"
@@ -59,6 +70,7 @@ def build(
     return routing, loads
 
 
+@pytest.mark.parametrize("small_fleet", [0, SMALL_FLEET])  # the fast rule; a whole small fleet
 @settings(max_examples=400, deadline=None)
 @given(
     fleet=st.lists(worker, min_size=1, max_size=12),
@@ -67,12 +79,13 @@ def build(
     eligible_mask=st.integers(1, 2**12 - 1),
 )
 def test_fast_rule_equals_the_exhaustive_one(
+    small_fleet: int,
     fleet: list[tuple[int, int, list[tuple[int, str, bool]], float | None, int, int]],
     prompt_blocks: int,
     now: float,
     eligible_mask: int,
 ) -> None:
-    routing, loads = build(fleet)
+    routing, loads = build(fleet, small_fleet)
     workers = [w for i, w in enumerate(loads) if eligible_mask >> i & 1] or loads[:1]
     assert_fast_equals_exhaustive(routing, workers, PROMPT[:prompt_blocks], now)
 
@@ -172,6 +185,7 @@ def test_an_idle_fleet_spreads_its_misses_over_all_of_it() -> None:
 
 def test_a_worker_learnt_from_select_then_follows_load_changes() -> None:
     routing = KvAwareRouting(CONFIG)
+    routing.small_fleet = 0  # learnt by the load orders, not predicted whole
     idle = [WorkerLoad("w0"), WorkerLoad("w1")]
     routing.best(idle, [], 10, BLOCK, 0.0)
     busy_w0 = WorkerLoad("w0", 3, 500)
@@ -187,6 +201,7 @@ def test_the_lightest_queue_is_found_behind_a_drained_worker_further_in_both_ord
     (behind b, drained earlier but with 3 requests): one step in each order is not
     enough. Guards are heavy everywhere, so they do not cap the queue terms."""
     routing = KvAwareRouting(CONFIG)
+    routing.small_fleet = 0  # found by walking the load orders
     loads = [WorkerLoad("a", 0, 9000), WorkerLoad("b", 3, 9000), WorkerLoad("c", 1, 9000)]
     for load in loads:
         routing.loads.update(load)

@@ -367,6 +367,7 @@ class KvAwareRouting:
         self.queue = PrefillQueue(self.loads)
         self.future = FutureCost(HolderPressure(config.retention_margin, config.retention_window_s))
         self.salt: ReplicaSalt | None = None
+        self.small_fleet = SMALL_FLEET  # fleets up to this size are predicted whole
 
     def as_replica(self, replica: str) -> None:
         """Route as the router replica named ``replica`` of several: its scores offset by
@@ -400,11 +401,11 @@ class KvAwareRouting:
 
         Only the holders of a prefix and the lightest loads are predicted (see the
         module docstring); a worker not seen before is learnt from ``workers``. A fleet
-        of up to ``SMALL_FLEET`` workers is predicted whole: the reference rule, cheaper
+        of up to ``small_fleet`` workers is predicted whole: the reference rule, cheaper
         there than finding the few worth predicting.
         """
         tie_key = block_hashes[-1] if block_hashes else prompt_tokens
-        if len(workers) <= SMALL_FLEET:
+        if len(workers) <= self.small_fleet:
             for worker in workers:
                 if worker.worker_id not in self.loads.known:
                     self.loads.update(worker)
