@@ -253,3 +253,19 @@ def test_a_large_group_reduces_to_its_lightest_eligible_holder(
     )
     workers = [w for i, w in enumerate(loads) if i not in left_out] or loads[:1]
     assert_fast_equals_exhaustive(routing, workers, PROMPT[:prompt_blocks], now)
+
+
+def test_the_lightest_holders_left_out_of_a_large_group_are_passed_over() -> None:
+    """30 workers hold the prompt's first 4 blocks; the 10 idle ones, the group's
+    lightest, are not offered: the choice is the lightest of the others, not a worker
+    the router did not offer."""
+    routing, loads = build(
+        [
+            (0 if i < 10 else 1, 0 if i < 10 else 100 * i, [(4, "device", False)], None, 0, 0)
+            for i in range(30)
+        ]
+    )
+    offered = loads[10:]
+    choice = routing.best(offered, PROMPT[:6], 6 * BLOCK + 7, BLOCK, now=0.0)
+    assert choice.worker_id == "w10"  # 1 request, the fewest guarded tokens
+    assert_fast_equals_exhaustive(routing, offered, PROMPT[:6], now=0.0)
