@@ -66,14 +66,16 @@ speculation and the queued prefill) come with a take-back, which the router call
 the attempt fails before its first token: a worker that never computed the prompt is
 then neither predicted to hold it nor to be busy computing it.
 
-A decision predicts only a few workers, whatever the fleet's size: every worker that
-holds a prefix of the prompt (one walk of the index yields them all, with their depths)
-and the workers whose load term is the smallest (:mod:`kvserve.core.routing.load_order`,
-kept up to date by ``observe_load`` as guards change). Any other worker holds nothing
-of the prompt and has a larger load term, so it cannot predict a smaller TTFT: the
-smallest prediction is :func:`lowest_ttft`'s over the whole fleet. What differs is the
-choice among equal predictions (a tie of TTFT and load): it is made among the
-candidates, not the whole fleet.
+A decision predicts only a few workers, whatever the fleet's size: the holders of a
+prefix of the prompt (one walk of the index yields them as one mask per depth; of each
+group sharing a match, only its lightest) and the workers whose load term is the
+smallest (:mod:`kvserve.core.routing.load_order`, kept up to date by ``observe_load`` as
+guards change). Any other worker holds nothing of the prompt, or the same as a lighter
+holder, and has a larger load term, so it cannot predict a smaller TTFT: the smallest
+prediction is :func:`lowest_ttft`'s over the whole fleet. What differs is the choice
+among equal predictions (a tie of TTFT and load): it is made among the candidates, not
+the whole fleet. A fleet of up to ``SMALL_FLEET`` workers is predicted whole (the
+reference rule, cheaper there).
 """
 
 from __future__ import annotations
