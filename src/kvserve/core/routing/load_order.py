@@ -101,6 +101,7 @@ class _SlotTerms:
         self.done_at = np.full(_FIRST_SLOTS, -np.inf)
         self.requests = np.zeros(_FIRST_SLOTS)  # the sort key, as floats
         self.tokens = np.zeros(_FIRST_SLOTS)
+        self.name_rank = np.zeros(_FIRST_SLOTS)  # the worker's place among all by name
 
     def set(self, entry: _Load) -> None:
         slot = entry.slot
@@ -111,6 +112,7 @@ class _SlotTerms:
             self.done_at = _grown(self.done_at, size, -np.inf)
             self.requests = _grown(self.requests, size, 0.0)
             self.tokens = _grown(self.tokens, size, 0.0)
+            self.name_rank = _grown(self.name_rank, size, 0.0)
         self.fixed_s[slot] = entry.fixed_s
         self.guarded_s[slot] = entry.guarded_s
         self.done_at[slot] = entry.done_at
@@ -120,7 +122,7 @@ class _SlotTerms:
         if slot < len(self.fixed_s):
             self.fixed_s[slot] = np.inf
 
-    def lightest(self, first_bits: int, bits_per_slot: int, now: float) -> list[int]:
+    def lightest(self, first_bits: int, bits_per_slot: int, now: float) -> npt.NDArray[np.intp]:
         """The slots of ``first_bits`` (one bit per slot, every ``bits_per_slot``-th)
         whose (load term rounded to the nanosecond, sort key) is the smallest, as
         :meth:`LoadOrder.lightest_among` ranks them: the slots equal to the first such
@@ -137,22 +139,17 @@ class _SlotTerms:
         term = np.minimum(queued, self.guarded_s[slots]) + fixed
         lightest = term.min() if len(term) else np.inf
         if lightest == np.inf:
-            return []
+            return slots[:0]
         # whatever rounds to the smallest term is within 1 ns of it
         near = term <= lightest + 2e-9
         slots, term = slots[near], term[near]
         requests, tokens = self.requests[slots], self.tokens[slots]
-        if len(slots) > 1:
-            # one per sort key, its smallest term: the others cannot rank first
-            order = np.lexsort((term, tokens, requests))
-            first = np.ones(len(order), dtype=bool)
-            first[1:] = (np.diff(requests[order]) != 0) | (np.diff(tokens[order]) != 0)
-            heads = order[first].tolist()
-        else:
-            heads = [0]
-        best = min(heads, key=lambda i: (round(float(term[i]), 9), requests[i], tokens[i]))
+        # rounded as Python rounds, once per distinct term (equal loads share one)
+        values, inverse = np.unique(term, return_inverse=True)
+        rounded = np.array([round(float(v), 9) for v in values])[inverse]
+        best = np.lexsort((tokens, requests, rounded))[0]
         equal = (term == term[best]) & (requests == requests[best]) & (tokens == tokens[best])
-        return slots[equal].tolist()  # type: ignore[no-any-return]
+        return slots[equal]  # type: ignore[no-any-return]
 
 
 _FIRST_SLOTS = 64
@@ -176,6 +173,7 @@ class LoadOrder:
         self._loads: dict[str, _Load] = {}
         self._terms = _SlotTerms()
         self._slot_workers: dict[int, str] = {}
+        self._name_ranks_stale = False  # a worker came or went since they were drawn
         self._by_guarded = _Order()
         self._drained = _Order()  # by requests term
         self._queued = _Order()  # by queue end + requests term
@@ -199,6 +197,7 @@ class LoadOrder:
                 fixed_s, guarded_s, float("-inf"), load.sort_key, slot
             )
             self._slot_workers[slot] = load.worker_id
+            self._name_ranks_stale = True
         else:
             entry.fixed_s, entry.guarded_s = fixed_s, guarded_s
             entry.sort_key = load.sort_key
@@ -217,6 +216,7 @@ class LoadOrder:
         if entry is not None:
             self._terms.clear(entry.slot)
             self._slot_workers.pop(entry.slot, None)
+            self._name_ranks_stale = True
         for order in (self._by_guarded, self._drained, self._queued):
             order.remove(worker_id)
 
@@ -245,19 +245,27 @@ class LoadOrder:
         """A worker of ``eligible`` whose slot's first bit is set in ``first_bits`` (a
         group from the KV index) and whose (load term, sort key) is the smallest of
         them, as :meth:`lightest_among` ranks them, found in the arrays without listing
-        the group. Of several tied, the one at ``tie_key``'s offset among their names
-        (every replica holding the same loads picks the same). A tied one not eligible
-        (a worker taken out, or tried) is dropped from the group and the search
-        repeated."""
+        the group. Of several tied, the first eligible from ``tie_key``'s offset among
+        their names, in name order from the ranks kept per slot (every replica holding
+        the same loads picks the same; no sort of the tied per decision). Where none of
+        the tied is eligible (workers taken out, or tried) they are dropped from the
+        group and the search repeated."""
+        if self._name_ranks_stale:  # once after workers come or go, not per decision
+            for rank, worker_id in enumerate(sorted(self._loads)):
+                self._terms.name_rank[self._loads[worker_id].slot] = rank
+            self._name_ranks_stale = False
         workers = self._slot_workers
         while True:
             tied = self._terms.lightest(first_bits, bits_per_slot, now)
-            if not tied:
+            if not len(tied):
                 return []
-            chosen = sorted(workers[slot] for slot in tied if workers[slot] in eligible)
-            if chosen:
-                return [chosen[tie_key % len(chosen)]]
-            for slot in tied:
+            by_name = np.argsort(self._terms.name_rank[tied])
+            start = tie_key % len(tied)
+            for i in range(len(tied)):  # the first, unless taken out or tried
+                worker_id = workers[int(tied[by_name[(start + i) % len(tied)]])]
+                if worker_id in eligible:
+                    return [worker_id]
+            for slot in tied.tolist():
                 first_bits &= ~(1 << slot * bits_per_slot)
 
     def lightest_among(self, members: Iterable[str], now: float) -> list[str]:
