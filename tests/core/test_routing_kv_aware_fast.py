@@ -269,3 +269,18 @@ def test_the_lightest_holders_left_out_of_a_large_group_are_passed_over() -> Non
     choice = routing.best(offered, PROMPT[:6], 6 * BLOCK + 7, BLOCK, now=0.0)
     assert choice.worker_id == "w10"  # 1 request, the fewest guarded tokens
     assert_fast_equals_exhaustive(routing, offered, PROMPT[:6], now=0.0)
+
+
+def test_workers_replacing_forgotten_ones_in_a_large_group_are_ranked_by_their_own_loads() -> None:
+    """Workers that left free their slots in the index's masks and the load arrays;
+    newcomers take them: the group's search reads the newcomers' terms, not the old."""
+    routing, loads = build([(1, 100 * i, [(4, "device", False)], None, 0, 0) for i in range(30)])
+    for gone in range(5):
+        routing.forget_worker(f"w{gone}")
+    newcomers = [WorkerLoad(f"n{i}", 2, 50 * i) for i in range(5)]  # heavier than any left
+    for seq, load in enumerate(newcomers, start=1):
+        routing.loads.update(load)
+        routing.index.apply(load.worker_id, KVEvent(seq, "stored", "device", tuple(PROMPT[:4])))
+    offered = loads[5:] + newcomers
+    assert routing.best(offered, PROMPT[:6], 6 * BLOCK + 7, BLOCK, now=0.0).worker_id == "w5"
+    assert_fast_equals_exhaustive(routing, offered, PROMPT[:6], now=0.0)
