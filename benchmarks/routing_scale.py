@@ -16,6 +16,10 @@ conversation (held by one worker) by a few blocks. Loads move as a router's guar
 the chosen worker takes one request and its prefill, a random worker releases one.
 Decision time is CPU time (``time.thread_time_ns``) of ``select`` alone.
 
+``--extra-blocks N`` adds N blocks per worker that no request reads, to kv_aware's index
+only (cache_aware's tree learns only the conversations): the decision at the index size
+the issue names (10^5 blocks per worker) rather than ``--blocks``' hundred.
+
 Index memory: bytes held per (block, holder) entry, measured with ``tracemalloc`` while
 the index is built, for one holder per block and for blocks held by many workers.
 
@@ -24,7 +28,7 @@ that trace at ``--sim-workers`` workers, arrivals compressed ``--sim-speedup`` t
 Mooncake trace at 10 workers ×1 scales to 1,000 workers ×100: the same load per worker).
 
 Run: ``python benchmarks/routing_scale.py [--workers 10,100,1000,10000]
-[--prompt-blocks 16,128] [--blocks 100] [--decisions 300]
+[--prompt-blocks 16,128] [--blocks 100] [--extra-blocks 0] [--decisions 300]
 [--sim-trace $KVSERVE_DATA_DIR/mooncake/conversation_trace.jsonl --sim-workers 1000
 --sim-speedup 100]``.
 """
@@ -58,6 +62,7 @@ BLOCK_TOKENS = 16
 SYSTEM_BLOCKS = 8
 SYSTEM = list(range(1, SYSTEM_BLOCKS + 1))
 FIRST_CHAR = 0x10000
+EXTRA_FIRST_HASH = 10**12  # above every conversation's hashes
 
 
 class Fleet:
@@ -81,12 +86,18 @@ class Fleet:
         self.system_holders = self.ids[:: max(1, workers // 10)]
         self.next_hash = next_hash
 
-    def fill(self, policy: KvAwarePolicy) -> None:
-        for w in self.ids:
+    def fill(self, policy: KvAwarePolicy, extra_blocks: int = 0) -> None:
+        """The workers' blocks into kv_aware's index, each worker with ``extra_blocks``
+        more that no request reads (the index's size, not the prompts')."""
+        for n, w in enumerate(self.ids):
             stored = [h for chain in self.conversations[w] for h in chain]
             if w in self.system_holders:
                 stored += SYSTEM
             policy.observe_events(w, [KVEvent(1, "stored", "device", tuple(stored), None)])
+            if extra_blocks:
+                first = EXTRA_FIRST_HASH + n * extra_blocks
+                extra = tuple(range(first, first + extra_blocks))
+                policy.observe_events(w, [KVEvent(2, "stored", "device", extra, None)])
         for load in self.loads.values():
             policy.observe_load(load)
 
@@ -118,12 +129,12 @@ class Fleet:
 
 
 def decision_times(
-    workers: int, prompt_blocks: int, blocks: int, decisions: int, seed: int
+    workers: int, prompt_blocks: int, blocks: int, decisions: int, seed: int, extra_blocks: int = 0
 ) -> dict[str, list[float]]:
     """Microseconds per decision for each rule, alternating."""
     fleet = Fleet(workers, blocks, prompt_blocks, seed)
     kv = KvAwarePolicy(KvAwareConfig())
-    fleet.fill(kv)
+    fleet.fill(kv, extra_blocks)
     cache = CacheAwarePolicy(CacheAwareConfig(), 0.0)
     for w in fleet.ids:  # the tree learns each worker's conversations as routed there
         for chain in fleet.conversations[w]:
@@ -229,6 +240,12 @@ def main() -> None:
     parser.add_argument("--workers", default="10,100,1000,10000")
     parser.add_argument("--prompt-blocks", default="16,128")
     parser.add_argument("--blocks", type=int, default=100, help="indexed blocks per worker")
+    parser.add_argument(
+        "--extra-blocks",
+        type=int,
+        default=0,
+        help="more indexed blocks per worker, read by no request (kv_aware's index only)",
+    )
     parser.add_argument("--decisions", type=int, default=300)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--sim-trace", type=Path)
@@ -243,7 +260,9 @@ def main() -> None:
     print("|---:|---:|---:|---:|---:|")
     for workers in (int(w) for w in args.workers.split(",")):
         for prompt_blocks in (int(p) for p in args.prompt_blocks.split(",")):
-            times = decision_times(workers, prompt_blocks, args.blocks, args.decisions, args.seed)
+            times = decision_times(
+                workers, prompt_blocks, args.blocks, args.decisions, args.seed, args.extra_blocks
+            )
             cells = [
                 f"{statistics.median(t):.0f} / {_percentile(t, 0.99):.0f}"
                 for t in (times["cache_aware"], times["kv_aware"], times["kv_aware exhaustive"])

@@ -5,11 +5,18 @@ and loads leave a tie."""
 
 from __future__ import annotations
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvserve.core.kv_events import KVEvent
-from kvserve.core.routing.kv_aware import KvAwareConfig, KvAwareRouting, lowest_ttft, predict
+from kvserve.core.routing.kv_aware import (
+    SMALL_FLEET,
+    KvAwareConfig,
+    KvAwareRouting,
+    lowest_ttft,
+    predict,
+)
 from kvserve.core.routing.kv_index import TIERS
 from kvserve.core.routing.types import WorkerLoad
 
@@ -42,8 +49,12 @@ worker = st.tuples(
 
 def build(
     fleet: list[tuple[int, int, list[tuple[int, str, bool]], float | None, int, int]],
+    small_fleet: int = 0,
 ) -> tuple[KvAwareRouting, list[WorkerLoad]]:
+    """A routing over ``fleet``; fleets up to ``small_fleet`` workers predicted whole
+    (0: the fast rule at every size, the one these tests check)."""
     routing = KvAwareRouting(CONFIG)
+    routing.small_fleet = small_fleet
     loads = []
     for i, (requests, tokens, holdings, queued, speculative, others) in enumerate(fleet):
         worker_id = f"w{i}"
@@ -59,6 +70,7 @@ def build(
     return routing, loads
 
 
+@pytest.mark.parametrize("small_fleet", [0, SMALL_FLEET])  # the fast rule; a whole small fleet
 @settings(max_examples=400, deadline=None)
 @given(
     fleet=st.lists(worker, min_size=1, max_size=12),
@@ -67,12 +79,13 @@ def build(
     eligible_mask=st.integers(1, 2**12 - 1),
 )
 def test_fast_rule_equals_the_exhaustive_one(
+    small_fleet: int,
     fleet: list[tuple[int, int, list[tuple[int, str, bool]], float | None, int, int]],
     prompt_blocks: int,
     now: float,
     eligible_mask: int,
 ) -> None:
-    routing, loads = build(fleet)
+    routing, loads = build(fleet, small_fleet)
     workers = [w for i, w in enumerate(loads) if eligible_mask >> i & 1] or loads[:1]
     assert_fast_equals_exhaustive(routing, workers, PROMPT[:prompt_blocks], now)
 
@@ -172,6 +185,7 @@ def test_an_idle_fleet_spreads_its_misses_over_all_of_it() -> None:
 
 def test_a_worker_learnt_from_select_then_follows_load_changes() -> None:
     routing = KvAwareRouting(CONFIG)
+    routing.small_fleet = 0  # learnt by the load orders, not predicted whole
     idle = [WorkerLoad("w0"), WorkerLoad("w1")]
     routing.best(idle, [], 10, BLOCK, 0.0)
     busy_w0 = WorkerLoad("w0", 3, 500)
@@ -187,6 +201,7 @@ def test_the_lightest_queue_is_found_behind_a_drained_worker_further_in_both_ord
     (behind b, drained earlier but with 3 requests): one step in each order is not
     enough. Guards are heavy everywhere, so they do not cap the queue terms."""
     routing = KvAwareRouting(CONFIG)
+    routing.small_fleet = 0  # found by walking the load orders
     loads = [WorkerLoad("a", 0, 9000), WorkerLoad("b", 3, 9000), WorkerLoad("c", 1, 9000)]
     for load in loads:
         routing.loads.update(load)
@@ -213,3 +228,59 @@ def test_a_large_group_of_holders_reduces_to_its_lightest(
         ]
     )
     assert_fast_equals_exhaustive(routing, loads, PROMPT[:prompt_blocks], now)
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    fleet=st.lists(shared, min_size=20, max_size=80),
+    prompt_blocks=st.integers(1, 12),
+    now=st.floats(0.0, 0.8),
+    left_out=st.sets(st.integers(0, 79), max_size=60),
+)
+def test_a_large_group_reduces_to_its_lightest_eligible_holder(
+    fleet: list[tuple[int, int, int, float | None, int]],
+    prompt_blocks: int,
+    now: float,
+    left_out: set[int],
+) -> None:
+    """Holders the router did not offer (taken out, tried) are still in the index's
+    groups and often the lightest: the search passes over them."""
+    routing, loads = build(
+        [
+            (requests, tokens, [(depth, "device", False)] if depth else [], queued, 0, others)
+            for requests, tokens, depth, queued, others in fleet
+        ]
+    )
+    workers = [w for i, w in enumerate(loads) if i not in left_out] or loads[:1]
+    assert_fast_equals_exhaustive(routing, workers, PROMPT[:prompt_blocks], now)
+
+
+def test_the_lightest_holders_left_out_of_a_large_group_are_passed_over() -> None:
+    """30 workers hold the prompt's first 4 blocks; the 10 idle ones, the group's
+    lightest, are not offered: the choice is the lightest of the others, not a worker
+    the router did not offer."""
+    routing, loads = build(
+        [
+            (0 if i < 10 else 1, 0 if i < 10 else 100 * i, [(4, "device", False)], None, 0, 0)
+            for i in range(30)
+        ]
+    )
+    offered = loads[10:]
+    choice = routing.best(offered, PROMPT[:6], 6 * BLOCK + 7, BLOCK, now=0.0)
+    assert choice.worker_id == "w10"  # 1 request, the fewest guarded tokens
+    assert_fast_equals_exhaustive(routing, offered, PROMPT[:6], now=0.0)
+
+
+def test_workers_replacing_forgotten_ones_in_a_large_group_are_ranked_by_their_own_loads() -> None:
+    """Workers that left free their slots in the index's masks and the load arrays;
+    newcomers take them: the group's search reads the newcomers' terms, not the old."""
+    routing, loads = build([(1, 100 * i, [(4, "device", False)], None, 0, 0) for i in range(30)])
+    for gone in range(5):
+        routing.forget_worker(f"w{gone}")
+    newcomers = [WorkerLoad(f"n{i}", 2, 50 * i) for i in range(5)]  # heavier than any left
+    for seq, load in enumerate(newcomers, start=1):
+        routing.loads.update(load)
+        routing.index.apply(load.worker_id, KVEvent(seq, "stored", "device", tuple(PROMPT[:4])))
+    offered = loads[5:] + newcomers
+    assert routing.best(offered, PROMPT[:6], 6 * BLOCK + 7, BLOCK, now=0.0).worker_id == "w5"
+    assert_fast_equals_exhaustive(routing, offered, PROMPT[:6], now=0.0)

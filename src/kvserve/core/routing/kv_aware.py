@@ -66,14 +66,16 @@ speculation and the queued prefill) come with a take-back, which the router call
 the attempt fails before its first token: a worker that never computed the prompt is
 then neither predicted to hold it nor to be busy computing it.
 
-A decision predicts only a few workers, whatever the fleet's size: every worker that
-holds a prefix of the prompt (one walk of the index yields them all, with their depths)
-and the workers whose load term is the smallest (:mod:`kvserve.core.routing.load_order`,
-kept up to date by ``observe_load`` as guards change). Any other worker holds nothing
-of the prompt and has a larger load term, so it cannot predict a smaller TTFT: the
-smallest prediction is :func:`lowest_ttft`'s over the whole fleet. What differs is the
-choice among equal predictions (a tie of TTFT and load): it is made among the
-candidates, not the whole fleet.
+A decision predicts only a few workers, whatever the fleet's size: the holders of a
+prefix of the prompt (one walk of the index yields them as one mask per depth; of each
+group sharing a match, only its lightest) and the workers whose load term is the
+smallest (:mod:`kvserve.core.routing.load_order`, kept up to date by ``observe_load`` as
+guards change). Any other worker holds nothing of the prompt, or the same as a lighter
+holder, and has a larger load term, so it cannot predict a smaller TTFT: the smallest
+prediction is :func:`lowest_ttft`'s over the whole fleet. What differs is the choice
+among equal predictions (a tie of TTFT and load): it is made among the candidates, not
+the whole fleet. A fleet of up to ``SMALL_FLEET`` workers is predicted whole (the
+reference rule, cheaper there).
 """
 
 from __future__ import annotations
@@ -86,7 +88,7 @@ import xxhash
 
 from kvserve.core.cost_model import CostModel
 from kvserve.core.routing.future_cost import FutureCost, HolderPressure
-from kvserve.core.routing.kv_index import KVBlockIndex, WorkerMatch
+from kvserve.core.routing.kv_index import TIERS, KVBlockIndex, WorkerMatch
 from kvserve.core.routing.load_order import LoadOrder
 from kvserve.core.routing.tie_breaking import ReplicaSalt
 from kvserve.core.routing.types import TakeBack, WorkerLoad
@@ -94,6 +96,12 @@ from kvserve.core.routing.types import TakeBack, WorkerLoad
 _NO_MATCH = WorkerMatch({})
 # With a replica's salt: walks of the load orders for candidates (each adds up to three)
 SALTED_LOAD_ROUNDS = 4
+# Fleets of up to this many workers are predicted whole (the reference rule): finding
+# the few worth predicting costs more than predicting them all there
+SMALL_FLEET = 16
+# Holders sharing one match: up to this many are listed and scanned; more are searched
+# in LoadOrder's arrays (a fixed cost of a few array operations, cheaper past this)
+GROUP_SCAN = 16
 
 
 class _Either:
@@ -357,10 +365,11 @@ class KvAwareRouting:
     def __init__(self, config: KvAwareConfig, index: KVBlockIndex | None = None) -> None:
         self.config = config
         self.index = index if index is not None else KVBlockIndex(config.index_max_entries)
-        self.loads = LoadOrder(config.prefill_s, config.decode_request_s)
+        self.loads = LoadOrder(config.prefill_s, config.decode_request_s, self.index.slot)
         self.queue = PrefillQueue(self.loads)
         self.future = FutureCost(HolderPressure(config.retention_margin, config.retention_window_s))
         self.salt: ReplicaSalt | None = None
+        self.small_fleet = SMALL_FLEET  # fleets up to this size are predicted whole
 
     def as_replica(self, replica: str) -> None:
         """Route as the router replica named ``replica`` of several: its scores offset by
@@ -393,42 +402,58 @@ class KvAwareRouting:
         """The worker with the smallest predicted TTFT; nothing is recorded.
 
         Only the holders of a prefix and the lightest loads are predicted (see the
-        module docstring); a worker not seen before is learnt from ``workers``.
+        module docstring); a worker not seen before is learnt from ``workers``. A fleet
+        of up to ``small_fleet`` workers is predicted whole: the reference rule, cheaper
+        there than finding the few worth predicting.
         """
+        tie_key = block_hashes[-1] if block_hashes else prompt_tokens
+        if len(workers) <= self.small_fleet:
+            for worker in workers:
+                if worker.worker_id not in self.loads.known:
+                    self.loads.update(worker)
+            matches = self.index.match_holders(block_hashes, now)
+            candidates = [(w, matches.get(w.worker_id, _NO_MATCH)) for w in workers]
+        else:
+            candidates = self._candidates(workers, block_hashes, now, tie_key)
+        scored = [
+            (
+                worker,
+                *_ttft(
+                    worker,
+                    match,
+                    prompt_tokens,
+                    block_size,
+                    self.queue.queued_s(worker.worker_id, now),
+                    self.config,
+                ),
+            )
+            for worker, match in candidates
+        ]
+        weight = self._weight(scored, block_size, prompt_tokens, now)
+        return _choose(scored, tie_key, prompt_tokens, self.config, weight, self.salt)
+
+    def _candidates(
+        self, workers: Sequence[WorkerLoad], block_hashes: Sequence[int], now: float, tie_key: int
+    ) -> list[tuple[WorkerLoad, WorkerMatch]]:
+        """The workers worth predicting, with their matches: the holders (the lightest of
+        a group sharing one match) and the lightest non-holders."""
         by_id = {w.worker_id: w for w in workers}
         known = self.loads.known
         if not by_id.keys() <= known:  # a subset test allocates nothing; rarely false
             for worker_id in by_id.keys() - known:
                 self.loads.update(by_id[worker_id])
-        matches = self.index.match_holders(block_hashes, now)
-        if not matches.keys() <= by_id.keys():
-            matches = {w: match for w, match in matches.items() if w in by_id}
-        tie_key = block_hashes[-1] if block_hashes else prompt_tokens
-        candidates = [
-            *self._lightest_holders(matches, now),
-            *self._lightest_loads(by_id, matches, now, tie_key),
-        ]
-        scored = [
-            (
-                by_id[w],
-                *_ttft(
-                    by_id[w],
-                    matches.get(w, _NO_MATCH),
-                    prompt_tokens,
-                    block_size,
-                    self.queue.queued_s(w, now),
-                    self.config,
-                ),
-            )
-            for w in candidates
-        ]
-        weight = self._weight(scored, block_size, prompt_tokens, now)
-        return _choose(scored, tie_key, prompt_tokens, self.config, weight, self.salt)
+        groups = self.index.holder_groups(block_hashes, now)
+        chosen = [(w, match) for w, match in groups.apart.items() if w in by_id]
+        for match, members in groups.on_device:
+            chosen += [(w, match) for w in self._lightest_holders(members, by_id, now, tie_key)]
+        lightest = self._lightest_loads(by_id, groups.every, now, tie_key)
+        chosen += [(w, _NO_MATCH) for w in lightest]
+        return [(by_id[w], match) for w, match in chosen]
 
     def _lightest_loads(
         self,
         by_id: Mapping[str, WorkerLoad],
-        holders: Mapping[str, WorkerMatch],
+        holders: Container[str],
         now: float,
         tie_key: int,
     ) -> set[str]:
@@ -459,23 +484,22 @@ class KvAwareRouting:
         held = {w.worker_id: self.index.num_blocks(w.worker_id) for w, _, c in scored if c}
         return self.future.weight(base, scored, held, block_size, prompt_tokens, now)
 
-    def _lightest_holders(self, matches: Mapping[str, WorkerMatch], now: float) -> list[str]:
-        """The holders worth predicting. Holders with the same match (blocks per tier)
-        differ only by their load term, so where many share one (a popular system
-        prompt, speculated wherever it was routed) only the lightest of them can win:
-        one pass over the group for the load term :class:`LoadOrder` keeps, not a
-        prediction each. Groups are the matches :meth:`KVBlockIndex.match_holders`
-        shares (every holder wholly on device to one depth); one with a host or storage
-        block is alone. Holders tied in (load term, sort key) all stay, for
-        :func:`_choose` to break.
+    def _lightest_holders(
+        self, members: int, eligible: Mapping[str, WorkerLoad], now: float, tie_key: int
+    ) -> list[str]:
+        """The holders worth predicting of a group sharing one match (``members``: the
+        first bits of their slots). They differ only by their load term, so where many
+        share one (a popular system prompt, speculated wherever it was routed) only the
+        lightest of them can win: a small group is listed and scanned for the load term
+        :class:`LoadOrder` keeps (holders tied in (load term, sort key) all stay, for
+        :func:`_choose` to break), a large one searched in its arrays without being
+        listed (of those tied, one stays, chosen by the request's tie key, as for the
+        lightest non-holders: a tie of a large group breaks among the candidates).
         """
-        groups: dict[int, list[str]] = {}  # by the shared match's identity
-        for worker_id, match in matches.items():
-            groups.setdefault(id(match), []).append(worker_id)
-        chosen: list[str] = []
-        for group in groups.values():
-            chosen += group if len(group) < 3 else self.loads.lightest_among(group, now)
-        return chosen
+        if members.bit_count() > GROUP_SCAN:
+            return self.loads.lightest_of_slots(members, len(TIERS), eligible, now, tie_key)
+        group = [w for w in self.index.members(members) if w in eligible]
+        return group if len(group) < 3 else self.loads.lightest_among(group, now)
 
     def expect_prefill(
         self, choice: KvAwareChoice, block_hashes: Sequence[int], prompt_tokens: int, now: float

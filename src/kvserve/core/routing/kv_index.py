@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import heapq
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from kvserve.core.kv_events import KVEvent
@@ -38,6 +38,38 @@ class WorkerMatch:
     @property
     def num_blocks(self) -> int:
         return sum(self.blocks_by_tier.values())
+
+
+class SlotSet:
+    """Workers given as the first bits of their slots in one mask: membership is a shift,
+    so a group of thousands is tested without being listed."""
+
+    __slots__ = ("_bits", "_slots")
+
+    def __init__(self, first_bits: int, slots: Mapping[str, int]) -> None:
+        self._bits, self._slots = first_bits, slots
+
+    def __contains__(self, worker_id: object) -> bool:
+        slot = self._slots.get(worker_id)  # type: ignore[call-overload]
+        return slot is not None and bool(self._bits >> (slot * len(TIERS)) & 1)
+
+    def __len__(self) -> int:
+        return self._bits.bit_count()
+
+
+@dataclass(frozen=True, slots=True)
+class HolderGroups:
+    """The holders of a prompt's prefix, as :meth:`KVBlockIndex.holder_groups` finds them.
+
+    ``on_device``: one :class:`WorkerMatch` per depth, shared by the workers whose slots'
+    first bits are set in its mask (everything they match is on device or speculative);
+    ``apart``: the holders with a host or storage block, each with its own match;
+    ``every``: all of them.
+    """
+
+    on_device: list[tuple[WorkerMatch, int]]
+    apart: dict[str, WorkerMatch]
+    every: SlotSet
 
 
 class KVBlockIndex:
@@ -74,7 +106,12 @@ class KVBlockIndex:
         # worker -> hash -> deadline; the heap orders deadlines for cleanup
         self._speculative: dict[str, dict[int, float]] = {}
         self._speculative_holders: dict[int, int] = {}  # hash -> first bits of its workers
+        # (deadline, worker, batch), soonest first; a batch: the blocks one call speculated
+        # (kept apart from the heap: tuples of atomic values only, which the collector
+        # stops tracking)
         self._deadlines: list[tuple[float, str, int]] = []
+        self._batches: dict[int, tuple[int, ...]] = {}
+        self._next_batch = 0
         self.num_entries = 0  # (block, worker, tier) bits set
         self.evicted_entries = 0
         self._max_entries = max_entries
@@ -119,6 +156,11 @@ class KVBlockIndex:
         if slot is None:
             return False
         return bool(_mask(self._holders.get(block_hash, 0)) & _bit(slot, tier))
+
+    def slot(self, worker_id: str) -> int:
+        """``worker_id``'s slot: its bits in the masks start at ``slot × len(TIERS)``
+        (given one if it had none)."""
+        return self._slot(worker_id)
 
     def _slot(self, worker_id: str) -> int:
         slot = self._slots.get(worker_id)
@@ -211,15 +253,25 @@ class KVBlockIndex:
 
     def speculate(self, worker_id: str, block_hashes: Sequence[int], deadline: float) -> None:
         """Predict that ``worker_id`` will hold these blocks; forgotten after ``deadline``
-        unless a ``stored`` event confirms them first."""
+        unless a ``stored`` event confirms them first. One deadline entry per call, not
+        per block: a 128-block prompt is one heap push."""
         pending = self._speculative.setdefault(worker_id, {})
         bit = _bit(self._slot(worker_id), "device")
         speculative_holders, holders = self._speculative_holders, self._holders
+        fresh: list[int] = []
         for block_hash in block_hashes:
-            if not _mask(holders.get(block_hash, 0)) & bit:  # not confirmed on device
+            mask = holders.get(block_hash, 0)
+            if mask < 0:
+                mask = 1 << ~mask
+            if not mask & bit:  # not confirmed on device
                 pending[block_hash] = deadline
                 speculative_holders[block_hash] = speculative_holders.get(block_hash, 0) | bit
-                heapq.heappush(self._deadlines, (deadline, worker_id, block_hash))
+                fresh.append(block_hash)
+        if fresh:
+            batch = self._next_batch
+            self._next_batch += 1
+            self._batches[batch] = tuple(fresh)
+            heapq.heappush(self._deadlines, (deadline, worker_id, batch))
 
     def withdraw(self, worker_id: str, block_hashes: Sequence[int], deadline: float) -> None:
         """Take back ``speculate(worker_id, block_hashes, deadline)``: the entries it set
@@ -237,12 +289,17 @@ class KVBlockIndex:
         """Drop speculative entries whose deadline passed; returns how many."""
         dropped = 0
         while self._deadlines and self._deadlines[0][0] <= now:
-            deadline, worker_id, block_hash = heapq.heappop(self._deadlines)
+            deadline, worker_id, batch = heapq.heappop(self._deadlines)
+            block_hashes = self._batches.pop(batch)
             pending = self._speculative.get(worker_id)
-            if pending is not None and pending.get(block_hash) == deadline:
-                del pending[block_hash]
-                self._drop_speculative_bit(block_hash, _bit(self._slots[worker_id], "device"))
-                dropped += 1
+            if not pending:
+                continue
+            bit = _bit(self._slots[worker_id], "device")
+            for block_hash in block_hashes:
+                if pending.get(block_hash) == deadline:
+                    del pending[block_hash]
+                    self._drop_speculative_bit(block_hash, bit)
+                    dropped += 1
         return dropped
 
     def num_speculative(self, worker_id: str) -> int:
@@ -260,55 +317,80 @@ class KVBlockIndex:
         return {w: self._walk(w, block_hashes, len(block_hashes)) for w in worker_ids}
 
     def match_holders(self, block_hashes: Sequence[int], now: float) -> dict[str, WorkerMatch]:
-        """:meth:`match` for every worker whose match is not empty, in one walk of the
-        prompt whatever the fleet's size.
+        """:meth:`match` for every worker whose match is not empty: :meth:`holder_groups`,
+        each group's members listed."""
+        groups = self.holder_groups(block_hashes, now)
+        result = dict(groups.apart)
+        for match, members in groups.on_device:
+            for worker_id in self.members(members):
+                result[worker_id] = match
+        return result
+
+    def holder_groups(self, block_hashes: Sequence[int], now: float) -> HolderGroups:
+        """Every worker whose match is not empty, in one walk of the prompt whatever the
+        fleet's size, its holders left as masks rather than listed.
 
         The walk carries the set of workers still matching as one int (a bit per worker);
         a block narrows it with two mask operations, and the workers it drops have their
-        depth. A worker whose matched blocks are all on device (or speculative) is done
-        then; the few with a host or storage block in their prefix are walked once more
-        alone for the split by tier. Holders matched wholly on device to the same depth
-        share one :class:`WorkerMatch` (so that a caller can group them by identity).
+        depth: one mask per depth, never a step per worker. A worker whose matched blocks
+        are all on device (or speculative) is done then; the few with a host or storage
+        block in their prefix are walked once more alone for the split by tier.
         """
         self.expire(now)
         holders, speculative, first = self._holders, self._speculative_holders, self._first_bits
-        depths: dict[int, int] = {}  # slot -> matched blocks
+        by_depth: list[tuple[int, int]] = []  # (matched blocks, first bits of its workers)
         alive = -1  # every slot, until the first block narrows it
         off_device = 0  # slots with a block found in host or storage only
         recency = self._recency
         for depth, block_hash in enumerate(block_hashes):
-            mask = _mask(holders.get(block_hash, 0))
+            mask = holders.get(block_hash, 0)
+            if mask < 0:
+                mask = 1 << ~mask
             reported = (mask | mask >> 1 | mask >> 2) & first
             here = reported | speculative.get(block_hash, 0)
-            dropped = alive & ~here if alive != -1 else 0
-            if dropped:
-                _record_depths(dropped, depth, depths)
-            alive &= here
+            if alive == -1:
+                alive = here
+            else:
+                dropped = alive & ~here
+                if dropped:
+                    by_depth.append((depth, dropped))
+                    alive &= here
             if not alive:
                 break
-            if reported & ~mask:
+            if reported != mask:  # a bit above a slot's first: a host or storage copy
                 off_device |= alive & reported & ~mask
             if recency is not None and mask:
                 recency.move_to_end(block_hash)
         else:
             if alive not in (0, -1):
-                _record_depths(alive, len(block_hashes), depths)
-        result: dict[str, WorkerMatch] = {}
-        on_device: dict[int, WorkerMatch] = {}  # depth -> the one match all such share
-        slot_workers = self._slot_workers
-        for slot, depth in depths.items():
-            worker_id = slot_workers[slot]
+                by_depth.append((len(block_hashes), alive))
+        on_device: list[tuple[WorkerMatch, int]] = []
+        apart: dict[str, WorkerMatch] = {}
+        every = 0
+        for matched, members in by_depth:
+            every |= members
+            walked = members & off_device
+            if walked:
+                for worker_id in self.members(walked):
+                    apart[worker_id] = self._walk(worker_id, block_hashes, matched)
+                members &= ~off_device
+            if members:
+                on_device.append(
+                    (WorkerMatch({"device": matched, "host": 0, "storage": 0}), members)
+                )
+        return HolderGroups(on_device, apart, SlotSet(every, self._slots))
+
+    def members(self, first_bits: int) -> list[str]:
+        """The workers whose slot's first bit is set in ``first_bits``."""
+        workers = self._slot_workers
+        found: list[str] = []
+        while first_bits:
+            low = first_bits & -first_bits
+            worker_id = workers[(low.bit_length() - 1) // len(TIERS)]
             assert worker_id is not None, "a free slot holds no bits"
-            if off_device >> (slot * len(TIERS)) & 1:
-                result[worker_id] = self._walk(worker_id, block_hashes, depth)
-            else:
-                match = on_device.get(depth)
-                if match is None:
-                    match = on_device[depth] = WorkerMatch(
-                        {"device": depth, "host": 0, "storage": 0}
-                    )
-                result[worker_id] = match
-        return result
+            found.append(worker_id)
+            first_bits ^= low
+        return found
 
     def _walk(self, worker_id: str, block_hashes: Sequence[int], limit: int) -> WorkerMatch:
         """``worker_id``'s match, block by block, among the first ``limit`` blocks."""
@@ -326,14 +408,6 @@ class KVBlockIndex:
             else:
                 break
         return WorkerMatch(by_tier)
-
-
-def _record_depths(slots_bits: int, depth: int, depths: dict[int, int]) -> None:
-    """Note ``depth`` for every slot whose first bit is set in ``slots_bits``."""
-    while slots_bits:
-        low = slots_bits & -slots_bits
-        depths[(low.bit_length() - 1) // len(TIERS)] = depth
-        slots_bits ^= low
 
 
 _TIERS = (1 << len(TIERS)) - 1  # one worker's bits

@@ -33,9 +33,13 @@ import heapq
 from collections.abc import Callable, Container, Iterable, Iterator, KeysView
 from dataclasses import dataclass
 
+import numpy as np
+import numpy.typing as npt
+
 from kvserve.core.routing.types import WorkerLoad
 
 GuardedSeconds = Callable[[int], float]  # prefill tokens held by guards -> seconds
+SlotOf = Callable[[str], int]  # worker -> its slot in the KV index's masks
 
 
 Key = tuple[float, int, int]  # a load term, then the guards' sort key (ties as predicted)
@@ -69,9 +73,13 @@ class _Order:
             return
         tied = bisect.bisect_right(entries, (entries[0][0], "\U0010ffff"))  # same key
         start = tie_key % tied
-        yield from entries[start:tied]
-        yield from entries[:start]
-        yield from entries[tied:]
+        # by position, not slices: a slice would copy the order for one or two steps
+        for i in range(start, tied):
+            yield entries[i]
+        for i in range(start):
+            yield entries[i]
+        for i in range(tied, len(entries)):
+            yield entries[i]
 
 
 @dataclass(slots=True)
@@ -80,15 +88,92 @@ class _Load:
     guarded_s: float
     done_at: float
     sort_key: tuple[int, int]
+    slot: int
+
+
+class _SlotTerms:
+    """The load terms again, as arrays indexed by the index's worker slots: the lightest
+    of a group given as a mask is found in a few array operations, however large."""
+
+    def __init__(self) -> None:
+        self.fixed_s = np.full(_FIRST_SLOTS, np.inf)  # inf: no worker in the slot
+        self.guarded_s = np.zeros(_FIRST_SLOTS)
+        self.done_at = np.full(_FIRST_SLOTS, -np.inf)
+        self.requests = np.zeros(_FIRST_SLOTS)  # the sort key, as floats
+        self.tokens = np.zeros(_FIRST_SLOTS)
+        self.name_rank = np.zeros(_FIRST_SLOTS)  # the worker's place among all by name
+
+    def set(self, entry: _Load) -> None:
+        slot = entry.slot
+        if slot >= len(self.fixed_s):
+            size = max(slot + 1, 2 * len(self.fixed_s))
+            self.fixed_s = _grown(self.fixed_s, size, np.inf)
+            self.guarded_s = _grown(self.guarded_s, size, 0.0)
+            self.done_at = _grown(self.done_at, size, -np.inf)
+            self.requests = _grown(self.requests, size, 0.0)
+            self.tokens = _grown(self.tokens, size, 0.0)
+            self.name_rank = _grown(self.name_rank, size, 0.0)
+        self.fixed_s[slot] = entry.fixed_s
+        self.guarded_s[slot] = entry.guarded_s
+        self.done_at[slot] = entry.done_at
+        self.requests[slot], self.tokens[slot] = entry.sort_key
+
+    def clear(self, slot: int) -> None:
+        if slot < len(self.fixed_s):
+            self.fixed_s[slot] = np.inf
+
+    def lightest(self, first_bits: int, bits_per_slot: int, now: float) -> npt.NDArray[np.intp]:
+        """The slots of ``first_bits`` (one bit per slot, every ``bits_per_slot``-th)
+        whose (load term rounded to the nanosecond, sort key) is the smallest, as
+        :meth:`LoadOrder.lightest_among` ranks them: the slots equal to the first such
+        in (term, sort key) exactly, not those equal only once rounded (a tie left to
+        chance either way)."""
+        size = (first_bits.bit_length() + 7) // 8
+        raw = np.frombuffer(first_bits.to_bytes(size, "little"), np.uint8)
+        kept = len(self.fixed_s) * bits_per_slot  # slots past the arrays hold no worker
+        slots = np.flatnonzero(np.unpackbits(raw, bitorder="little")[:kept:bits_per_slot])
+        fixed = self.fixed_s[slots]
+        # min(queued, guarded) where a queue is left (else 0) + fixed: a drained queue's
+        # negative remainder clipped to 0 leaves the fixed part alone
+        queued = np.maximum(self.done_at[slots] - now, 0.0)
+        term = np.minimum(queued, self.guarded_s[slots]) + fixed
+        lightest = term.min() if len(term) else np.inf
+        if lightest == np.inf:
+            return slots[:0]
+        # whatever rounds to the smallest term is within 1 ns of it
+        near = term <= lightest + 2e-9
+        slots, term = slots[near], term[near]
+        requests, tokens = self.requests[slots], self.tokens[slots]
+        # rounded as Python rounds, once per distinct term (equal loads share one)
+        values, inverse = np.unique(term, return_inverse=True)
+        rounded = np.array([round(float(v), 9) for v in values])[inverse]
+        best = np.lexsort((tokens, requests, rounded))[0]
+        equal = (term == term[best]) & (requests == requests[best]) & (tokens == tokens[best])
+        return slots[equal]  # type: ignore[no-any-return]
+
+
+_FIRST_SLOTS = 64
+
+
+def _grown(values: npt.NDArray[np.float64], size: int, fill: float) -> npt.NDArray[np.float64]:
+    grown = np.full(size, fill)
+    grown[: len(values)] = values
+    return grown
 
 
 class LoadOrder:
     """Every worker's load terms, in the three orders the module docstring describes."""
 
-    def __init__(self, guarded_seconds: GuardedSeconds, decode_request_s: float) -> None:
+    def __init__(
+        self, guarded_seconds: GuardedSeconds, decode_request_s: float, slot_of: SlotOf
+    ) -> None:
         self._guarded_seconds = guarded_seconds
         self._decode_request_s = decode_request_s
+        self._slot_of = slot_of
         self._loads: dict[str, _Load] = {}
+        self._terms = _SlotTerms()
+        self._slot_workers: dict[int, str] = {}
+        self._name_ranks_stale = False  # a worker came or went since they were drawn
         self._by_guarded = _Order()
         self._drained = _Order()  # by requests term
         self._queued = _Order()  # by queue end + requests term
@@ -107,7 +192,12 @@ class LoadOrder:
         )
         guarded_s = self._guarded_seconds(load.in_flight_prefill_tokens)
         if entry is None:
-            entry = self._loads[load.worker_id] = _Load(fixed_s, guarded_s, 0.0, load.sort_key)
+            slot = self._slot_of(load.worker_id)
+            entry = self._loads[load.worker_id] = _Load(
+                fixed_s, guarded_s, float("-inf"), load.sort_key, slot
+            )
+            self._slot_workers[slot] = load.worker_id
+            self._name_ranks_stale = True
         else:
             entry.fixed_s, entry.guarded_s = fixed_s, guarded_s
             entry.sort_key = load.sort_key
@@ -122,7 +212,11 @@ class LoadOrder:
             self._classify(worker_id, entry)
 
     def remove(self, worker_id: str) -> None:
-        self._loads.pop(worker_id, None)
+        entry = self._loads.pop(worker_id, None)
+        if entry is not None:
+            self._terms.clear(entry.slot)
+            self._slot_workers.pop(entry.slot, None)
+            self._name_ranks_stale = True
         for order in (self._by_guarded, self._drained, self._queued):
             order.remove(worker_id)
 
@@ -139,6 +233,40 @@ class LoadOrder:
                     found.add(worker_id)
                     break
         return found
+
+    def lightest_of_slots(
+        self,
+        first_bits: int,
+        bits_per_slot: int,
+        eligible: Container[str],
+        now: float,
+        tie_key: int,
+    ) -> list[str]:
+        """A worker of ``eligible`` whose slot's first bit is set in ``first_bits`` (a
+        group from the KV index) and whose (load term, sort key) is the smallest of
+        them, as :meth:`lightest_among` ranks them, found in the arrays without listing
+        the group. Of several tied, the first eligible from ``tie_key``'s offset among
+        their names, in name order from the ranks kept per slot (every replica holding
+        the same loads picks the same; no sort of the tied per decision). Where none of
+        the tied is eligible (workers taken out, or tried) they are dropped from the
+        group and the search repeated."""
+        if self._name_ranks_stale:  # once after workers come or go, not per decision
+            for rank, worker_id in enumerate(sorted(self._loads)):
+                self._terms.name_rank[self._loads[worker_id].slot] = rank
+            self._name_ranks_stale = False
+        workers = self._slot_workers
+        while True:
+            tied = self._terms.lightest(first_bits, bits_per_slot, now)
+            if not len(tied):
+                return []
+            by_name = np.argsort(self._terms.name_rank[tied])
+            start = tie_key % len(tied)
+            for i in range(len(tied)):  # the first, unless taken out or tried
+                worker_id = workers[int(tied[by_name[(start + i) % len(tied)]])]
+                if worker_id in eligible:
+                    return [worker_id]
+            for slot in tied.tolist():
+                first_bits &= ~(1 << slot * bits_per_slot)
 
     def lightest_among(self, members: Iterable[str], now: float) -> list[str]:
         """The workers of ``members`` (all known) whose (load term rounded to the
@@ -177,6 +305,7 @@ class LoadOrder:
                 self._classify(worker_id, current)
 
     def _classify(self, worker_id: str, entry: _Load) -> None:
+        self._terms.set(entry)
         if entry.done_at > self._now:
             self._drained.remove(worker_id)
             self._queued.set(worker_id, (entry.done_at + entry.fixed_s, *entry.sort_key))
