@@ -147,11 +147,11 @@ def register(app: typer.Typer) -> None:
         http_server: Annotated[
             str,
             typer.Option(
-                help="aiohttp, or lean: the OpenAI routes served by an httptools server "
-                "beside the aiohttp app (router/lean_server.py).",
+                help="lean (default): the OpenAI routes served by an httptools server "
+                "beside the aiohttp app (router/lean_server.py); or aiohttp for all routes.",
                 envvar="KVSERVE_ROUTER_HTTP_SERVER",
             ),
-        ] = "aiohttp",
+        ] = "lean",
         kv_block_size: Annotated[
             int | None,
             _tuning("kv_aware over ZMQ event sources: block size (default: from the events)."),

@@ -81,7 +81,7 @@ class RouterConfig:
     # (router/peers.py)
     peer_urls: tuple[str, ...] = ()
     processes: int = 1  # router processes on the port (router/process_group.py)
-    http_server: str = "aiohttp"  # or "lean": hot routes off aiohttp (router/lean_server.py)
+    http_server: str = "lean"  # hot routes off aiohttp (router/lean_server.py); or "aiohttp"
 
     def __post_init__(self) -> None:
         if self.policy not in POLICY_NAMES:

@@ -34,12 +34,15 @@ from kvserve.core.client_limits import ClientLimits, raw_error_response
 from kvserve.router.client_guard import GuardedRequestHandler, handler_settings
 from kvserve.router.config import RouterConfig
 from kvserve.router.errors import openai_error
-from kvserve.router.lean_request import LeanRequest, encode_head
+from kvserve.router.lean_request import LeanRequest
 
 log = logging.getLogger(__name__)
 
 HOT_PATHS = frozenset({"/v1/chat/completions", "/v1/completions"})
 _HOT_STARTS = (b"POST /v1/chat/completions", b"POST /v1/completions")
+# Headers the lean server writes itself on a complete answer (lower case).
+_FRAMING = frozenset({"content-length", "transfer-encoding"})
+_FRAMING_AND_CONNECTION = _FRAMING | {"connection"}
 LeanHandler = Callable[[LeanRequest], Awaitable[web.StreamResponse]]
 
 
@@ -180,13 +183,14 @@ class LeanConnection(asyncio.Protocol):
             )
             self._transport.write(raw_error_response(431, message, "headers_too_large"))
             return False
-        try:
-            async with asyncio.timeout(self._limits.body_timeout_s):
-                await parsed.complete.wait()
-        except TimeoutError:
-            message = f"Request body not received within {self._limits.body_timeout_s}s."
-            self._transport.write(raw_error_response(408, message, "body_timeout"))
-            return False
+        if not parsed.complete.is_set():  # most bodies come with their headers: no timer
+            try:
+                async with asyncio.timeout(self._limits.body_timeout_s):
+                    await parsed.complete.wait()
+            except TimeoutError:
+                message = f"Request body not received within {self._limits.body_timeout_s}s."
+                self._transport.write(raw_error_response(408, message, "body_timeout"))
+                return False
         body = b"".join(parsed.body)
         url = parsed.url.decode("latin-1")
         path = url.partition("?")[0]
@@ -228,11 +232,15 @@ class LeanConnection(asyncio.Protocol):
         if self._transport is None or self._transport.is_closing():
             return
         body = response.body if isinstance(response.body, bytes) else b""
-        headers = CIMultiDict(response.headers)
-        headers["Content-Length"] = str(len(body))
+        # One pass over the answer's headers, framing replaced: no copy of the multidict.
+        dropped = _FRAMING if keep_alive else _FRAMING_AND_CONNECTION
+        lines = [f"HTTP/1.1 {response.status} {response.reason}"]
+        lines += [f"{k}: {v}" for k, v in response.headers.items() if k.lower() not in dropped]
+        lines.append(f"Content-Length: {len(body)}")
         if not keep_alive:
-            headers["Connection"] = "close"
-        self._transport.write(encode_head(response.status, response.reason, headers) + body)
+            lines.append("Connection: close")
+        lines.append("\r\n")
+        self._transport.write("\r\n".join(lines).encode("latin-1") + body)
 
     async def _forward(self, parsed: _Parsed, body: bytes) -> None:
         """A request the lean server does not serve, sent alone to the aiohttp app."""
