@@ -41,7 +41,7 @@ from typing import Any, TextIO
 
 ROOT = Path(__file__).resolve().parent.parent
 # The environment each engine's process starts from, taken before kvserve is imported here
-# (importing kvserve.engine sets OMP_WAIT_POLICY, kvserve's own default, which vLLM should
+# (importing kvserve.engine sets GOMP_SPINCOUNT, kvserve's own default, which vLLM should
 # not inherit: each engine runs with its own defaults).
 INHERITED_ENV = dict(os.environ)
 VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -50,3 +52,25 @@ def test_threads_default_to_every_cpu_the_process_may_use():
             use_threads(0)
     finally:
         torch.set_num_threads(before)
+
+
+def _openmp_env_after_import(env: dict[str, str]) -> tuple[str | None, str | None]:
+    code = (
+        "import os, kvserve.engine; "
+        "print(os.environ.get('OMP_WAIT_POLICY'), os.environ.get('GOMP_SPINCOUNT'))"
+    )
+    clean = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        env={**clean, **env},
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.split()
+    return tuple(None if word == "None" else word for word in out)  # type: ignore[return-value]
+
+
+def test_openmp_threads_spin_briefly_unless_the_user_says_otherwise():
+    assert _openmp_env_after_import({}) == (None, "1000")
+    assert _openmp_env_after_import({"GOMP_SPINCOUNT": "50"}) == (None, "50")
+    assert _openmp_env_after_import({"OMP_WAIT_POLICY": "PASSIVE"}) == ("PASSIVE", None)
