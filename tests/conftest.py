@@ -7,6 +7,10 @@ from pathlib import Path
 
 import pytest
 
+# Before any test module imports torch: the engines tests run in this process get the
+# engine's own OpenMP wait settings (libgomp reads them once, when torch loads it).
+import kvserve.engine  # noqa: F401
+
 
 @pytest.fixture(scope="session")
 def tiny_model_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
