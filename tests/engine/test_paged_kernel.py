@@ -46,10 +46,12 @@ def reference(q, pool, tables, sequences, window, scale):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("window", [0, 7])
 @pytest.mark.parametrize(("heads", "kv_heads", "block_size"), [(8, 2, 4), (4, 4, 16), (6, 3, 32)])
-def test_kernel_matches_naive_attention(dtype, window, heads, kv_heads, block_size):
+# 40 and 48: head sizes off the GEMM's 32-column register blocks (a 16-column and a scalar tail).
+@pytest.mark.parametrize("head_dim", [32, 40, 48, 64])
+def test_kernel_matches_naive_attention(dtype, window, heads, kv_heads, block_size, head_dim):
     assert paged_kernel.load(), "the paged kernel did not build (see test_kernel_builds)"
     rng = random.Random(heads * block_size + window)
-    head_dim, num_blocks = 32, 64
+    num_blocks = 64
     pool = torch.randn(num_blocks, block_size, 2 * kv_heads, head_dim).to(dtype)
     # (start_pos, num_new): decodes, a prompt from 0, chunks after cached tokens, and a
     # chunk longer than the kernel's 16-query tile.

@@ -5,7 +5,7 @@
 // query heads sharing that KV head become the tile's rows (grouped-query attention folded,
 // never expanded), so each K/V block is read once per tile and used by every row. Tiles of
 // many rows (prefill) take keys a chunk of whole blocks at a time into a small float
-// buffer that stays in cache, and both products run as BLAS GEMMs on it (scores = Q K^T,
+// buffer that stays in cache, and both products run as GEMMs on it (scores = Q K^T,
 // then out += P V); tiles of few rows read each key and value straight from its slot. A
 // decode (one new token) is one item over all its heads, reading each slot whole. Sequences
 // (decodes and prefill chunks alike) whose block tables start with the same blocks (a shared
@@ -29,12 +29,6 @@
 #include <utility>
 #include <vector>
 
-// The BLAS torch itself links (MKL in its CPU wheels); column-major, Fortran calling.
-extern "C" void sgemm_(const char* transa, const char* transb, const int* m, const int* n,
-                       const int* k, const float* alpha, const float* a, const int* lda,
-                       const float* b, const int* ldb, const float* beta, float* c,
-                       const int* ldc);
-
 namespace {
 
 // Storage element to float. bf16 is the top half of a float: a shift the compiler
@@ -54,21 +48,79 @@ constexpr int64_t kKeyChunk = 256;   // keys per GEMM (whole blocks; at least on
 // stands for "masked" and "no score yet". Every row sees at least one key.
 constexpr float kMasked = -1e30f;
 
-// Row-major out[rows][cols] = alpha * a[rows][inner] . b[cols][inner]^T + beta * out.
-void gemm_abt(int64_t rows, int64_t cols, int64_t inner, const float* a, const float* b,
-              float beta, float* out) {
-  const int m = static_cast<int>(cols), n = static_cast<int>(rows), k = static_cast<int>(inner);
-  const float alpha = 1.0f;
-  sgemm_("T", "N", &m, &n, &k, &alpha, b, &k, a, &k, &beta, out, &m);
+#if defined(__AVX512F__)
+// On CPUs with AVX-512 the GEMMs are written out here instead of called from BLAS: torch's
+// MKL runs these small shapes ([tile rows, 64] x [64, 256 keys] and back) at ~100 GFLOP/s
+// on AMD's Zen (its AVX2 code path there), a register-blocked kernel at 200-250 on the same
+// core (docs/benchmarks.md, "Attention's GEMMs written out"). Elsewhere BLAS stays.
+typedef float Vec16 __attribute__((vector_size(64), aligned(4)));
+constexpr int kBlockRows = 8;     // rows per register block: 8 x 2 accumulators of 16 floats
+constexpr int kBlockVectors = 2;  // 32 columns per register block
+
+// c[R][16 V] (+)= a[R][inner] . b[inner][16 V], all in registers.
+template <int R, int V>
+inline void gemm_block(int64_t inner, const float* a, int64_t lda, const float* b, int64_t ldb,
+                       float* c, int64_t ldc, bool accumulate) {
+  Vec16 acc[R][V];
+  for (int i = 0; i < R; ++i)
+    for (int v = 0; v < V; ++v)
+      acc[i][v] = accumulate ? *reinterpret_cast<const Vec16*>(c + i * ldc + 16 * v) : Vec16{};
+  for (int64_t p = 0; p < inner; ++p) {
+    Vec16 bv[V];
+    for (int v = 0; v < V; ++v) bv[v] = *reinterpret_cast<const Vec16*>(b + p * ldb + 16 * v);
+    for (int i = 0; i < R; ++i) {
+      const float ai = a[i * lda + p];
+      for (int v = 0; v < V; ++v) acc[i][v] += ai * bv[v];
+    }
+  }
+  for (int i = 0; i < R; ++i)
+    for (int v = 0; v < V; ++v) *reinterpret_cast<Vec16*>(c + i * ldc + 16 * v) = acc[i][v];
 }
 
-// Row-major out[rows][cols] += a[rows][inner] . b[inner][cols].
-void gemm_ab_accumulate(int64_t rows, int64_t cols, int64_t inner, const float* a,
-                        const float* b, float* out) {
-  const int m = static_cast<int>(cols), n = static_cast<int>(rows), k = static_cast<int>(inner);
-  const float alpha = 1.0f, beta = 1.0f;
-  sgemm_("N", "N", &m, &n, &k, &alpha, b, &m, a, &k, &beta, out, &m);
+template <int V>
+void gemm_columns(int64_t rows, int64_t inner, const float* a, int64_t lda, const float* b,
+                  int64_t ldb, float* c, int64_t ldc, bool accumulate) {
+  int64_t i = 0;
+  for (; i + kBlockRows <= rows; i += kBlockRows)
+    gemm_block<kBlockRows, V>(inner, a + i * lda, lda, b, ldb, c + i * ldc, ldc, accumulate);
+  for (; i < rows; ++i) gemm_block<1, V>(inner, a + i * lda, lda, b, ldb, c + i * ldc, ldc, accumulate);
 }
+
+// Row-major c[rows][cols] (+)= a[rows][inner] . b[inner][cols].
+void gemm_nn(int64_t rows, int64_t cols, int64_t inner, const float* a, int64_t lda,
+             const float* b, int64_t ldb, float* c, int64_t ldc, bool accumulate) {
+  int64_t j = 0;
+  for (; j + 16 * kBlockVectors <= cols; j += 16 * kBlockVectors)
+    gemm_columns<kBlockVectors>(rows, inner, a, lda, b + j, ldb, c + j, ldc, accumulate);
+  for (; j + 16 <= cols; j += 16) gemm_columns<1>(rows, inner, a, lda, b + j, ldb, c + j, ldc, accumulate);
+  for (; j < cols; ++j) {
+    for (int64_t i = 0; i < rows; ++i) {
+      float sum = accumulate ? c[i * ldc + j] : 0.0f;
+      for (int64_t p = 0; p < inner; ++p) sum += a[i * lda + p] * b[p * ldb + j];
+      c[i * ldc + j] = sum;
+    }
+  }
+}
+#else
+}  // namespace
+// The BLAS torch itself links (MKL in its CPU wheels); column-major, Fortran calling.
+extern "C" void sgemm_(const char* transa, const char* transb, const int* m, const int* n,
+                       const int* k, const float* alpha, const float* a, const int* lda,
+                       const float* b, const int* ldb, const float* beta, float* c,
+                       const int* ldc);
+
+namespace {
+
+// Row-major c[rows][cols] (+)= a[rows][inner] . b[inner][cols], by BLAS (column-major: c^T =
+// b^T a^T).
+void gemm_nn(int64_t rows, int64_t cols, int64_t inner, const float* a, int64_t lda,
+             const float* b, int64_t ldb, float* c, int64_t ldc, bool accumulate) {
+  const int m = static_cast<int>(cols), n = static_cast<int>(rows), k = static_cast<int>(inner);
+  const int ld_b = static_cast<int>(ldb), ld_a = static_cast<int>(lda), ld_c = static_cast<int>(ldc);
+  const float alpha = 1.0f, beta = accumulate ? 1.0f : 0.0f;
+  sgemm_("N", "N", &m, &n, &k, &alpha, b, &ld_b, a, &ld_a, &beta, c, &ld_c);
+}
+#endif
 
 // Few rows (a short run of new tokens, its groups of query heads): GEMM calls and the tile copy
 // cost more than they save, so scores and outputs are computed straight from the pool's
@@ -143,24 +195,32 @@ void attend_rows_gemm(int64_t rows, const scalar_t* pool, int64_t block_size,
   const int64_t chunk_blocks = std::max<int64_t>(1, kKeyChunk / block_size);
   buf.keys.resize(chunk_blocks * block_size * head_dim);
   buf.values.resize(chunk_blocks * block_size * head_dim);
+  std::vector<const scalar_t*> key_rows(chunk_blocks * block_size);
   for (int64_t chunk = first_block; chunk < end_block; chunk += chunk_blocks) {
     const int64_t blocks = std::min(chunk_blocks, end_block - chunk);
     const int64_t keys = blocks * block_size, key_start = chunk * block_size;
     for (int64_t b = 0; b < blocks; ++b) {
       const scalar_t* slots = pool + table[chunk + b] * block_size * slot_stride;
       for (int64_t j = 0; j < block_size; ++j) {
-        const scalar_t* k = slots + j * slot_stride + kv_head * head_dim;
         const scalar_t* v = slots + j * slot_stride + (kv_heads + kv_head) * head_dim;
-        float* kd = buf.keys.data() + (b * block_size + j) * head_dim;
+        key_rows[b * block_size + j] = slots + j * slot_stride + kv_head * head_dim;
         float* vd = buf.values.data() + (b * block_size + j) * head_dim;
-        for (int64_t d = 0; d < head_dim; ++d) {
-          kd[d] = to_float(k[d]);
-          vd[d] = to_float(v[d]);
-        }
+        for (int64_t d = 0; d < head_dim; ++d) vd[d] = to_float(v[d]);
+      }
+    }
+    // Keys transposed ([head_dim][keys]) so both products are plain A . B GEMMs; 16 keys
+    // at a time, so their rows stay in L1 while each dimension's 16 values are written as
+    // one cache line (a key at a time wrote head_dim lines per key).
+    for (int64_t first = 0; first < keys; first += 16) {
+      const int64_t group = std::min<int64_t>(16, keys - first);
+      for (int64_t d = 0; d < head_dim; ++d) {
+        float* kd = buf.keys.data() + d * keys + first;
+        for (int64_t j = 0; j < group; ++j) kd[j] = to_float(key_rows[first + j][d]);
       }
     }
     float* scores = buf.scores.data();
-    gemm_abt(rows, keys, head_dim, buf.query.data(), buf.keys.data(), 0.0f, scores);
+    gemm_nn(rows, keys, head_dim, buf.query.data(), head_dim, buf.keys.data(), keys, scores, keys,
+            false);
     for (int64_t r = 0; r < rows; ++r) {
       const auto [low, high] = visible(r, key_start, keys);
       float* s = scores + r * keys;
@@ -185,7 +245,8 @@ void attend_rows_gemm(int64_t rows, const scalar_t* pool, int64_t block_size,
 #pragma omp simd
       for (int64_t d = 0; d < head_dim; ++d) a[d] *= correction;
     }
-    gemm_ab_accumulate(rows, head_dim, keys, scores, buf.values.data(), buf.acc.data());
+    gemm_nn(rows, head_dim, keys, scores, keys, buf.values.data(), head_dim, buf.acc.data(),
+            head_dim, true);
   }
 }
 
