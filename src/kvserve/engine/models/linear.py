@@ -59,3 +59,41 @@ class Linear:
         if self.bias is None:
             return torch.addmm(residual, x, self.weight.t())
         return residual + F.linear(x, self.weight, self.bias)
+
+
+class GatedUp:
+    """``silu(x @ gate.T) * (x @ up.T)``, the gated MLP's first half.
+
+    Packed for oneDNN it is two GEMMs whose epilogues do the rest (swish on the gate, then
+    the up projection multiplied by it): no [tokens, 2 × intermediate] product to split,
+    and no separate SiLU and multiply passes over it. On a 1024-wide model's shapes, float32,
+    2,048 rows: 108 against 122 ms on one thread, 58 against 68 on two; at 16 rows within
+    6% either way (docs/benchmarks.md). Elsewhere one fused GEMM, then SiLU and multiply.
+    """
+
+    def __init__(
+        self,
+        gate: torch.Tensor,
+        up: torch.Tensor,
+        gate_bias: torch.Tensor | None,
+        up_bias: torch.Tensor | None,
+    ) -> None:
+        self._packed = onednn_packing_available(gate.device, gate.dtype)
+        if self._packed:
+            self._gate, self._up = Linear(gate, gate_bias), Linear(up, up_bias)
+        else:
+            both = gate_bias is not None and up_bias is not None
+            bias = torch.cat([gate_bias, up_bias]) if both else None  # type: ignore[list-item]
+            self._gate_up = Linear(torch.cat([gate, up]), bias)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self._packed:
+            gate = torch.ops.mkldnn._linear_pointwise(
+                x, self._gate.weight, self._gate.bias, "swish", [], ""
+            )
+            out: torch.Tensor = torch.ops.mkldnn._linear_pointwise.binary(
+                x, gate, self._up.weight, self._up.bias, "mul"
+            )
+            return out
+        gate, up = self._gate_up(x).chunk(2, dim=-1)
+        return F.silu(gate) * up

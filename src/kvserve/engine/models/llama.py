@@ -12,12 +12,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from kvserve.engine.attention import StepLayout, paged_attention
 from kvserve.engine.decode_rows import DecodeRows
 from kvserve.engine.kv_pool import KVPool
-from kvserve.engine.models.linear import Linear
+from kvserve.engine.models.linear import GatedUp, Linear
 from kvserve.engine.models.rope import RotaryTable, apply_rotary
 from kvserve.engine.weights import CheckpointTensors
 from kvserve.model_folder.config import ModelConfig
@@ -39,7 +38,7 @@ class _Layer:
     qk_norm: torch.Tensor | None
     o: Linear  # its output is added to the residual stream (fused where possible)
     post_norm: torch.Tensor
-    gate_up: Linear
+    gate_up: GatedUp  # silu(gate) * up
     down: Linear  # added to the residual stream too
     window: int | None
 
@@ -74,7 +73,12 @@ def _load_layer(config: ModelConfig, tensors: CheckpointTensors, index: int) -> 
             get("self_attn.o_proj.bias", (hidden,)) if flags.o_bias else None,
         ),
         post_norm=get("post_attention_layernorm.weight", (hidden,)),
-        gate_up=fused({"gate_proj": inter, "up_proj": inter}, "mlp", hidden, config.mlp_bias),
+        gate_up=GatedUp(
+            get("mlp.gate_proj.weight", (inter, hidden)),
+            get("mlp.up_proj.weight", (inter, hidden)),
+            get("mlp.gate_proj.bias", (inter,)) if config.mlp_bias else None,
+            get("mlp.up_proj.bias", (inter,)) if config.mlp_bias else None,
+        ),
         down=Linear(
             get("mlp.down_proj.weight", (hidden, inter)),
             get("mlp.down_proj.bias", (hidden,)) if config.mlp_bias else None,
@@ -163,8 +167,7 @@ class LlamaFamilyModel:
             attended = attended.reshape(num_tokens, heads * config.head_dim)
             hidden = layer.o.add_to(hidden, attended)
             x = rms_norm(hidden, layer.post_norm, config.rms_norm_eps)
-            gate, up = layer.gate_up(x).chunk(2, dim=-1)
-            hidden = layer.down.add_to(hidden, F.silu(gate) * up)
+            hidden = layer.down.add_to(hidden, layer.gate_up(x))
         last = hidden if layout.last_token_index is None else hidden[layout.last_token_index]
         return rms_norm(last, self.final_norm, config.rms_norm_eps)
 
