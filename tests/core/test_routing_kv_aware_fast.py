@@ -284,3 +284,28 @@ def test_workers_replacing_forgotten_ones_in_a_large_group_are_ranked_by_their_o
     offered = loads[5:] + newcomers
     assert routing.best(offered, PROMPT[:6], 6 * BLOCK + 7, BLOCK, now=0.0).worker_id == "w5"
     assert_fast_equals_exhaustive(routing, offered, PROMPT[:6], now=0.0)
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    fleet=st.lists(
+        st.tuples(st.integers(0, 12), st.booleans(), st.integers(0, 12)), min_size=1, max_size=40
+    ),
+    prompt_blocks=st.integers(0, 12),
+)
+def test_a_walk_of_device_holders_equals_each_workers_walk(
+    fleet: list[tuple[int, bool, int]], prompt_blocks: int
+) -> None:
+    """Holders on device and speculative only (the walk taken in C passes), with slots
+    past the narrow masks' 30 bits (one holder stored as ``~bit``): as each worker's walk."""
+    routing, _ = build(
+        [
+            (0, 0, [(count, "device", diverges)], None, speculative, 0)
+            for count, diverges, speculative in fleet
+        ]
+    )
+    hashes = PROMPT[:prompt_blocks]
+    ids = [f"w{i}" for i in range(len(fleet))]
+    everyone = routing.index.match(hashes, ids, now=0.0)
+    holders = routing.index.match_holders(hashes, now=0.0)
+    assert holders == {w: m for w, m in everyone.items() if m.num_blocks}

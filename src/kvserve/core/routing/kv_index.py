@@ -18,6 +18,9 @@ import heapq
 from collections import OrderedDict
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from functools import reduce
+from itertools import accumulate, groupby, repeat
+from operator import and_, or_
 
 from kvserve.core.kv_events import KVEvent
 
@@ -84,7 +87,9 @@ class KVBlockIndex:
 
     A mask is as wide as the highest slot holding the block: 375 bytes at 1,000 workers
     for a block on worker 999 alone, though most blocks have one holder. A block with
-    one (slot, tier) is stored as ``~bit_index`` instead (a negative int, 28 bytes);
+    one (slot, tier) above the first 30 bits is stored as ``~bit_index`` instead (a
+    negative int, 28 bytes, as large as a mask of 30 bits: below that the mask itself is
+    kept, which a walk reads without decoding);
     :func:`_mask` widens it where a mask is needed.
 
     ``max_entries`` bounds the (block, holder) entries: past it, the blocks least
@@ -337,6 +342,28 @@ class KVBlockIndex:
         block in their prefix are walked once more alone for the split by tier.
         """
         self.expire(now)
+        found = self._depths_on_device(block_hashes)
+        by_depth, off_device = (found, 0) if found is not None else self._depths(block_hashes)
+        on_device: list[tuple[WorkerMatch, int]] = []
+        apart: dict[str, WorkerMatch] = {}
+        every = 0
+        for matched, members in by_depth:
+            every |= members
+            walked = members & off_device
+            if walked:
+                for worker_id in self.members(walked):
+                    apart[worker_id] = self._walk(worker_id, block_hashes, matched)
+                members &= ~off_device
+            if members:
+                on_device.append(
+                    (WorkerMatch({"device": matched, "host": 0, "storage": 0}), members)
+                )
+        return HolderGroups(on_device, apart, SlotSet(every, self._slots))
+
+    def _depths(self, block_hashes: Sequence[int]) -> tuple[list[tuple[int, int]], int]:
+        """The walk of :meth:`holder_groups`, block by block: (matched blocks, first bits
+        of the workers matching that many) per depth, and the first bits of the workers
+        with a host or storage block in their prefix."""
         holders, speculative, first = self._holders, self._speculative_holders, self._first_bits
         by_depth: list[tuple[int, int]] = []  # (matched blocks, first bits of its workers)
         alive = -1  # every slot, until the first block narrows it
@@ -364,21 +391,35 @@ class KVBlockIndex:
         else:
             if alive not in (0, -1):
                 by_depth.append((len(block_hashes), alive))
-        on_device: list[tuple[WorkerMatch, int]] = []
-        apart: dict[str, WorkerMatch] = {}
-        every = 0
-        for matched, members in by_depth:
-            every |= members
-            walked = members & off_device
-            if walked:
-                for worker_id in self.members(walked):
-                    apart[worker_id] = self._walk(worker_id, block_hashes, matched)
-                members &= ~off_device
-            if members:
-                on_device.append(
-                    (WorkerMatch({"device": matched, "host": 0, "storage": 0}), members)
-                )
-        return HolderGroups(on_device, apart, SlotSet(every, self._slots))
+        return by_depth, off_device
+
+    def _depths_on_device(self, block_hashes: Sequence[int]) -> list[tuple[int, int]] | None:
+        """:meth:`_depths` where every holder of the prompt's blocks holds them on device
+        (or speculatively) and no budget's recency needs updating (else None): the walk
+        as a few passes in C over all the blocks (their masks, the running AND of who
+        still matches, its runs) instead of a dozen Python steps per block."""
+        if self._recency is not None:
+            return None
+        masks = list(map(self._holders.get, block_hashes, repeat(0)))
+        if masks and min(masks) < 0:  # one holder, stored as ~its bit
+            masks = [m if m >= 0 else 1 << ~m for m in masks]
+        if reduce(or_, masks, 0) & ~self._first_bits:  # a host or storage copy
+            return None
+        speculative = self._speculative_holders
+        if not speculative.keys().isdisjoint(block_hashes):
+            masks = list(map(or_, masks, map(speculative.get, block_hashes, repeat(0))))
+        by_depth: list[tuple[int, int]] = []
+        depth, alive = 0, 0
+        for still, run in groupby(accumulate(masks, and_)):
+            if depth:
+                by_depth.append((depth, alive & ~still))
+            if not still:
+                return by_depth
+            alive = still
+            depth += len(list(run))
+        if alive:
+            by_depth.append((depth, alive))
+        return by_depth
 
     def members(self, first_bits: int) -> list[str]:
         """The workers whose slot's first bit is set in ``first_bits``."""
@@ -420,8 +461,13 @@ def _mask(stored: int) -> int:
 
 
 def _compact(mask: int) -> int:
-    """What to store for ``mask`` (non-zero): one bit as ``~its_index``."""
-    return ~(mask.bit_length() - 1) if mask & (mask - 1) == 0 else mask
+    """What to store for ``mask`` (non-zero): one bit past the 30 that a 28-byte int
+    holds as ``~its_index``."""
+    wide = mask.bit_length() > _NARROW_BITS
+    return ~(mask.bit_length() - 1) if wide and mask & (mask - 1) == 0 else mask
+
+
+_NARROW_BITS = 30  # an int up to 2**30 takes 28 bytes, as ~bit_index does
 
 
 def _bit(slot: int, tier: str) -> int:
