@@ -296,8 +296,8 @@ def test_workers_replacing_forgotten_ones_in_a_large_group_are_ranked_by_their_o
 def test_a_walk_of_device_holders_equals_each_workers_walk(
     fleet: list[tuple[int, bool, int]], prompt_blocks: int
 ) -> None:
-    """Holders on device and speculative only (the walk taken in C passes), with slots
-    past the narrow masks' 30 bits (one holder stored as ``~bit``): as each worker's walk."""
+    """Holders on device and speculative, up to 40 (one holder stored as ``~bit``): the
+    walk that passes over a lone holder's device blocks in C finds each worker's match."""
     routing, _ = build(
         [
             (0, 0, [(count, "device", diverges)], None, speculative, 0)

@@ -18,9 +18,8 @@ import heapq
 from collections import OrderedDict
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from functools import reduce
-from itertools import accumulate, groupby, repeat
-from operator import and_, or_
+from itertools import filterfalse, islice, repeat, takewhile
+from operator import or_
 
 from kvserve.core.kv_events import KVEvent
 
@@ -87,9 +86,7 @@ class KVBlockIndex:
 
     A mask is as wide as the highest slot holding the block: 375 bytes at 1,000 workers
     for a block on worker 999 alone, though most blocks have one holder. A block with
-    one (slot, tier) above the first 30 bits is stored as ``~bit_index`` instead (a
-    negative int, 28 bytes, as large as a mask of 30 bits: below that the mask itself is
-    kept, which a walk reads without decoding);
+    one (slot, tier) is stored as ``~bit_index`` instead (a negative int, 28 bytes);
     :func:`_mask` widens it where a mask is needed.
 
     ``max_entries`` bounds the (block, holder) entries: past it, the blocks least
@@ -262,20 +259,17 @@ class KVBlockIndex:
         per block: a 128-block prompt is one heap push."""
         pending = self._speculative.setdefault(worker_id, {})
         bit = _bit(self._slot(worker_id), "device")
-        speculative_holders, holders = self._speculative_holders, self._holders
-        fresh: list[int] = []
-        for block_hash in block_hashes:
-            mask = holders.get(block_hash, 0)
-            if mask < 0:
-                mask = 1 << ~mask
-            if not mask & bit:  # not confirmed on device
-                pending[block_hash] = deadline
-                speculative_holders[block_hash] = speculative_holders.get(block_hash, 0) | bit
-                fresh.append(block_hash)
+        # not confirmed on device: its device set is the bit's other record
+        confirmed = self._held.get((worker_id, "device"), ())
+        fresh = tuple(filterfalse(confirmed.__contains__, block_hashes))
         if fresh:
+            pending.update(dict.fromkeys(fresh, deadline))
+            holders = self._speculative_holders
+            ored = map(or_, map(holders.get, fresh, repeat(0)), repeat(bit))
+            holders.update(zip(fresh, ored, strict=True))
             batch = self._next_batch
             self._next_batch += 1
-            self._batches[batch] = tuple(fresh)
+            self._batches[batch] = fresh
             heapq.heappush(self._deadlines, (deadline, worker_id, batch))
 
     def withdraw(self, worker_id: str, block_hashes: Sequence[int], deadline: float) -> None:
@@ -342,8 +336,7 @@ class KVBlockIndex:
         block in their prefix are walked once more alone for the split by tier.
         """
         self.expire(now)
-        found = self._depths_on_device(block_hashes)
-        by_depth, off_device = (found, 0) if found is not None else self._depths(block_hashes)
+        by_depth, off_device = self._depths(block_hashes)
         on_device: list[tuple[WorkerMatch, int]] = []
         apart: dict[str, WorkerMatch] = {}
         every = 0
@@ -361,15 +354,24 @@ class KVBlockIndex:
         return HolderGroups(on_device, apart, SlotSet(every, self._slots))
 
     def _depths(self, block_hashes: Sequence[int]) -> tuple[list[tuple[int, int]], int]:
-        """The walk of :meth:`holder_groups`, block by block: (matched blocks, first bits
-        of the workers matching that many) per depth, and the first bits of the workers
-        with a host or storage block in their prefix."""
+        """The walk of :meth:`holder_groups`: (matched blocks, first bits of the workers
+        matching that many) per depth, and the first bits of the workers with a host or
+        storage block in their prefix. Where one worker is left, the blocks it holds on
+        device are passed over in C (:meth:`_run_on_device`): a conversation's own
+        prefix, the bulk of a long prompt, costs no Python step per block."""
         holders, speculative, first = self._holders, self._speculative_holders, self._first_bits
         by_depth: list[tuple[int, int]] = []  # (matched blocks, first bits of its workers)
         alive = -1  # every slot, until the first block narrows it
         off_device = 0  # slots with a block found in host or storage only
         recency = self._recency
-        for depth, block_hash in enumerate(block_hashes):
+        depth, end = 0, len(block_hashes)
+        alone = False  # one worker left (and no recency to keep per block)
+        while depth < end:
+            if alone:
+                depth = self._run_on_device(alive, block_hashes, depth)
+                if depth == end:
+                    break
+            block_hash = block_hashes[depth]
             mask = holders.get(block_hash, 0)
             if mask < 0:
                 mask = 1 << ~mask
@@ -377,49 +379,34 @@ class KVBlockIndex:
             here = reported | speculative.get(block_hash, 0)
             if alive == -1:
                 alive = here
+                alone = alive & (alive - 1) == 0 and recency is None
             else:
                 dropped = alive & ~here
                 if dropped:
                     by_depth.append((depth, dropped))
                     alive &= here
+                    alone = alive & (alive - 1) == 0 and recency is None
             if not alive:
                 break
             if reported != mask:  # a bit above a slot's first: a host or storage copy
                 off_device |= alive & reported & ~mask
             if recency is not None and mask:
                 recency.move_to_end(block_hash)
-        else:
-            if alive not in (0, -1):
-                by_depth.append((len(block_hashes), alive))
+            depth += 1
+        if alive not in (0, -1):
+            by_depth.append((end, alive))
         return by_depth, off_device
 
-    def _depths_on_device(self, block_hashes: Sequence[int]) -> list[tuple[int, int]] | None:
-        """:meth:`_depths` where every holder of the prompt's blocks holds them on device
-        (or speculatively) and no budget's recency needs updating (else None): the walk
-        as a few passes in C over all the blocks (their masks, the running AND of who
-        still matches, its runs) instead of a dozen Python steps per block."""
-        if self._recency is not None:
-            return None
-        masks = list(map(self._holders.get, block_hashes, repeat(0)))
-        if masks and min(masks) < 0:  # one holder, stored as ~its bit
-            masks = [m if m >= 0 else 1 << ~m for m in masks]
-        if reduce(or_, masks, 0) & ~self._first_bits:  # a host or storage copy
-            return None
-        speculative = self._speculative_holders
-        if not speculative.keys().isdisjoint(block_hashes):
-            masks = list(map(or_, masks, map(speculative.get, block_hashes, repeat(0))))
-        by_depth: list[tuple[int, int]] = []
-        depth, alive = 0, 0
-        for still, run in groupby(accumulate(masks, and_)):
-            if depth:
-                by_depth.append((depth, alive & ~still))
-            if not still:
-                return by_depth
-            alive = still
-            depth += len(list(run))
-        if alive:
-            by_depth.append((depth, alive))
-        return by_depth
+    def _run_on_device(self, first_bit: int, block_hashes: Sequence[int], depth: int) -> int:
+        """Where the run of blocks from ``depth`` that the worker of ``first_bit`` holds
+        on device ends: its device set is its bit's other record, and a block it holds
+        there neither narrows the walk nor marks a host or storage copy."""
+        worker_id = self._slot_workers[(first_bit.bit_length() - 1) // len(TIERS)]
+        assert worker_id is not None, "a free slot holds no bits"
+        on_device = self._held.get((worker_id, "device"), ())
+        return depth + len(
+            list(takewhile(on_device.__contains__, islice(block_hashes, depth, None)))
+        )
 
     def members(self, first_bits: int) -> list[str]:
         """The workers whose slot's first bit is set in ``first_bits``."""
@@ -461,13 +448,8 @@ def _mask(stored: int) -> int:
 
 
 def _compact(mask: int) -> int:
-    """What to store for ``mask`` (non-zero): one bit past the 30 that a 28-byte int
-    holds as ``~its_index``."""
-    wide = mask.bit_length() > _NARROW_BITS
-    return ~(mask.bit_length() - 1) if wide and mask & (mask - 1) == 0 else mask
-
-
-_NARROW_BITS = 30  # an int up to 2**30 takes 28 bytes, as ~bit_index does
+    """What to store for ``mask`` (non-zero): one bit as ``~its_index``."""
+    return ~(mask.bit_length() - 1) if mask & (mask - 1) == 0 else mask
 
 
 def _bit(slot: int, tier: str) -> int:

@@ -165,7 +165,7 @@ class _SlotTerms:
         exact = list(zip(term.tolist(), requests, tokens, strict=True))
         keys = [(round(t, 9), r, k) for t, r, k in exact]
         best = exact[min(range(len(keys)), key=keys.__getitem__)]
-        return slots[[i for i, key in enumerate(exact) if key == best]]  # type: ignore[no-any-return]
+        return slots[[i for i, key in enumerate(exact) if key == best]]
 
 
 _FIRST_SLOTS = 64
