@@ -82,6 +82,7 @@ from __future__ import annotations
 
 from collections.abc import Container, Mapping, Sequence
 from dataclasses import dataclass
+from operator import itemgetter
 from typing import Any
 
 import xxhash
@@ -364,11 +365,13 @@ def _choose(
     The score is the TTFT plus ``weight`` (default: ``recompute_weight``, undiscounted)
     times the prefill seconds the choice computes beyond what the deepest holder would,
     plus a router replica's ``salt`` for the worker, if any."""
-    deepest = max(c for _, _, c in scored)
+    deepest = max(map(itemgetter(2), scored))
     weight = config.recompute_weight if weight is None else weight
     if weight or salt is not None:
         ranks = _ranks(scored, deepest, prompt_tokens, config, weight, salt)
-    else:  # the score is the TTFT
+    else:  # the score is the TTFT: only those within 2 ns of the smallest can round to it
+        near_s = min(map(itemgetter(1), scored)) + 2e-9
+        scored = [s for s in scored if s[1] <= near_s]
         ranks = [(round(ttft, 9), w.sort_key) for w, ttft, _ in scored]
     lowest = min(ranks)
     tied = [s for s, rank in zip(scored, ranks, strict=True) if rank == lowest]
@@ -483,11 +486,12 @@ class KvAwareRouting:
         by_match: dict[int, tuple[float, float, int]] = {}
         scored: list[tuple[WorkerLoad, float, int]] = []
         for worker, match in candidates:
-            entry = kept.get(worker.worker_id)
+            worker_id = worker.worker_id
+            entry = kept.get(worker_id)
             if entry is None or entry[0] is not worker:
                 entry = self._learn(worker)
             _, guarded_s, requests_s, others_s = entry
-            queued_s = ends.get(worker.worker_id, now) - now
+            queued_s = ends.get(worker_id, now) - now
             if queued_s <= 0.0:
                 queued_s = 0.0
             prompt = by_match.get(id(match))
