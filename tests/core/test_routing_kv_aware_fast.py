@@ -10,6 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvserve.core.kv_events import KVEvent
+from kvserve.core.routing import kv_index
 from kvserve.core.routing.kv_aware import (
     SMALL_FLEET,
     KvAwareConfig,
@@ -71,6 +72,7 @@ def build(
 
 
 @pytest.mark.parametrize("small_fleet", [0, SMALL_FLEET])  # the fast rule; a whole small fleet
+@pytest.mark.parametrize("run_blocks", [0, kv_index.RUN_BLOCKS])  # 0: each worker walked alone
 @settings(max_examples=400, deadline=None)
 @given(
     fleet=st.lists(worker, min_size=1, max_size=12),
@@ -80,6 +82,7 @@ def build(
 )
 def test_fast_rule_equals_the_exhaustive_one(
     small_fleet: int,
+    run_blocks: int,
     fleet: list[tuple[int, int, list[tuple[int, str, bool]], float | None, int, int]],
     prompt_blocks: int,
     now: float,
@@ -87,7 +90,9 @@ def test_fast_rule_equals_the_exhaustive_one(
 ) -> None:
     routing, loads = build(fleet, small_fleet)
     workers = [w for i, w in enumerate(loads) if eligible_mask >> i & 1] or loads[:1]
-    assert_fast_equals_exhaustive(routing, workers, PROMPT[:prompt_blocks], now)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(kv_index, "RUN_BLOCKS", run_blocks)
+        assert_fast_equals_exhaustive(routing, workers, PROMPT[:prompt_blocks], now)
 
 
 shared = st.tuples(
@@ -284,3 +289,38 @@ def test_workers_replacing_forgotten_ones_in_a_large_group_are_ranked_by_their_o
     offered = loads[5:] + newcomers
     assert routing.best(offered, PROMPT[:6], 6 * BLOCK + 7, BLOCK, now=0.0).worker_id == "w5"
     assert_fast_equals_exhaustive(routing, offered, PROMPT[:6], now=0.0)
+
+
+@pytest.mark.parametrize("run_blocks", [0, 1, kv_index.RUN_BLOCKS])
+@settings(max_examples=200, deadline=None)
+@given(
+    fleet=st.lists(
+        st.tuples(
+            st.lists(st.tuples(st.integers(0, 11), st.integers(1, 12), st.sampled_from(TIERS))),
+            st.integers(0, 12),
+        ),
+        min_size=1,
+        max_size=40,
+    ),
+    prompt_blocks=st.integers(0, 12),
+)
+def test_a_walk_of_the_prompt_equals_each_workers_walk(
+    run_blocks: int, fleet: list[tuple[list[tuple[int, int, str]], int]], prompt_blocks: int
+) -> None:
+    """Up to 40 workers holding runs of the prompt (not only prefixes) in every tier, and
+    speculative prefixes (past 10 workers, one holder is stored as ``~bit``); the walk
+    follows the workers still matching as one mask or, with few blocks per worker left
+    (``RUN_BLOCKS``), each alone: each worker's match either way."""
+    routing = KvAwareRouting(CONFIG)
+    for i, (runs, speculative) in enumerate(fleet):
+        for seq, (start, count, tier) in enumerate(runs, start=1):
+            hashes = tuple(PROMPT[start : start + count])
+            routing.index.apply(f"w{i}", KVEvent(seq, "stored", tier, hashes, None))
+        routing.index.speculate(f"w{i}", PROMPT[:speculative], deadline=0.5)
+    hashes = PROMPT[:prompt_blocks]
+    ids = [f"w{i}" for i in range(len(fleet))]
+    everyone = routing.index.match(hashes, ids, now=0.0)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(kv_index, "RUN_BLOCKS", run_blocks)
+        holders = routing.index.match_holders(hashes, now=0.0)
+    assert holders == {w: m for w, m in everyone.items() if m.num_blocks}

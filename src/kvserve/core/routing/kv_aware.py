@@ -82,6 +82,7 @@ from __future__ import annotations
 
 from collections.abc import Container, Mapping, Sequence
 from dataclasses import dataclass
+from operator import itemgetter
 from typing import Any
 
 import xxhash
@@ -205,6 +206,31 @@ class KvAwareChoice:
         return self.prediction.worker.worker_id
 
 
+class LoadTerms:
+    """Each worker's TTFT terms that depend on its load alone, in seconds (prefill its
+    guards hold, in-flight requests, prefill other replicas reported; see
+    :func:`_load_term`), computed once per :class:`WorkerLoad` object rather than per
+    decision: the router's tracker keeps one object per worker until its guards change,
+    so the object is the terms' version, and a new one is computed anew."""
+
+    def __init__(self, config: KvAwareConfig) -> None:
+        self._config = config
+        self.kept: dict[str, tuple[WorkerLoad, float, float, float]] = {}
+
+    def learn(self, worker: WorkerLoad) -> tuple[WorkerLoad, float, float, float]:
+        config = self._config
+        entry = self.kept[worker.worker_id] = (
+            worker,
+            config.prefill_s(worker.in_flight_prefill_tokens),
+            worker.in_flight_requests * config.decode_request_s,
+            config.prefill_s(worker.others_prefill_tokens),
+        )
+        return entry
+
+    def forget(self, worker_id: str) -> None:
+        self.kept.pop(worker_id, None)
+
+
 class PrefillQueue:
     """When each worker will be done with the prefills this policy sent it (predicted).
 
@@ -215,6 +241,11 @@ class PrefillQueue:
     def __init__(self, loads: LoadOrder) -> None:
         self._done_at: dict[str, float] = {}
         self._loads = loads
+
+    @property
+    def ends(self) -> Mapping[str, float]:
+        """Each worker's predicted end of its queued prefills (not yet drained ones too)."""
+        return self._done_at
 
     def queued_s(self, worker_id: str, now: float) -> float:
         return max(0.0, self._done_at.get(worker_id, now) - now)
@@ -261,16 +292,23 @@ def _ttft(
     config: KvAwareConfig,
 ) -> tuple[float, int]:
     """:func:`predict`'s TTFT and cached tokens, without building a Prediction."""
+    prefill_s, loading_s, cached = _prompt_terms(match, prompt_tokens, block_size, config)
+    return _load_term(worker, queued_s, config) + prefill_s + loading_s, cached
+
+
+def _prompt_terms(
+    match: WorkerMatch, prompt_tokens: int, block_size: int, config: KvAwareConfig
+) -> tuple[float, float, int]:
+    """The part of a worker's predicted TTFT that its match decides: seconds computing
+    the uncached tokens, seconds loading host and storage hits, and the cached tokens."""
     by_tier = match.blocks_by_tier
     host_tokens = by_tier.get("host", 0) * block_size
     storage_tokens = by_tier.get("storage", 0) * block_size
     cached = min(match.num_blocks * block_size, prompt_tokens)
-    ttft = (
-        _load_term(worker, queued_s, config)
-        + config.prefill_s(prompt_tokens - cached, cached)
-        + (host_tokens * config.host_load_token_s + storage_tokens * config.storage_load_token_s)
+    loading_s = (
+        host_tokens * config.host_load_token_s + storage_tokens * config.storage_load_token_s
     )
-    return ttft, cached
+    return config.prefill_s(prompt_tokens - cached, cached), loading_s, cached
 
 
 def _load_term(worker: WorkerLoad, queued_s: float, config: KvAwareConfig) -> float:
@@ -327,25 +365,16 @@ def _choose(
     The score is the TTFT plus ``weight`` (default: ``recompute_weight``, undiscounted)
     times the prefill seconds the choice computes beyond what the deepest holder would,
     plus a router replica's ``salt`` for the worker, if any."""
-    deepest = max(c for _, _, c in scored)
+    deepest = max(map(itemgetter(2), scored))
     weight = config.recompute_weight if weight is None else weight
-    floor_s = config.prefill_s(prompt_tokens - deepest, deepest) if weight else 0.0
-
-    def score(ttft: float, cached: int) -> float:
-        if not weight or cached == deepest:
-            return ttft
-        return ttft + weight * (config.prefill_s(prompt_tokens - cached, cached) - floor_s)
-
-    def salted(worker: WorkerLoad, ttft: float, cached: int) -> float:
-        value = score(ttft, cached)
-        return value if salt is None else value + salt(worker.worker_id)
-
-    ranked = [
-        ((round(salted(w, ttft, cached), 9), w.sort_key), w, ttft, cached)
-        for w, ttft, cached in scored
-    ]
-    lowest = min(r[0] for r in ranked)
-    tied = [r[1:] for r in ranked if r[0] == lowest]
+    if weight or salt is not None:
+        ranks = _ranks(scored, deepest, prompt_tokens, config, weight, salt)
+    else:  # the score is the TTFT: only those within 2 ns of the smallest can round to it
+        near_s = min(map(itemgetter(1), scored)) + 2e-9
+        scored = [s for s in scored if s[1] <= near_s]
+        ranks = [(round(ttft, 9), w.sort_key) for w, ttft, _ in scored]
+    lowest = min(ranks)
+    tied = [s for s, rank in zip(scored, ranks, strict=True) if rank == lowest]
     chosen = tied[0]
     if len(tied) > 1:
         chosen = max(tied, key=lambda t: _rendezvous(tie_key, t[0].worker_id))
@@ -359,6 +388,30 @@ def _choose(
     return KvAwareChoice(Prediction(worker, cached, ttft), reason)
 
 
+def _ranks(
+    scored: Sequence[tuple[WorkerLoad, float, int]],
+    deepest: int,
+    prompt_tokens: int,
+    config: KvAwareConfig,
+    weight: float,
+    salt: ReplicaSalt | None,
+) -> list[tuple[float, tuple[int, int]]]:
+    """:func:`_choose`'s (score rounded to the nanosecond, sort key) per scored worker,
+    with a recompute ``weight`` or a replica's ``salt``."""
+    floor_s = config.prefill_s(prompt_tokens - deepest, deepest) if weight else 0.0
+
+    def score(ttft: float, cached: int) -> float:
+        if not weight or cached == deepest:
+            return ttft
+        return ttft + weight * (config.prefill_s(prompt_tokens - cached, cached) - floor_s)
+
+    def salted(worker: WorkerLoad, ttft: float, cached: int) -> float:
+        value = score(ttft, cached)
+        return value if salt is None else value + salt(worker.worker_id)
+
+    return [(round(salted(w, ttft, cached), 9), w.sort_key) for w, ttft, cached in scored]
+
+
 class KvAwareRouting:
     """The index and the rule together: what a router replica or the simulator holds."""
 
@@ -367,6 +420,7 @@ class KvAwareRouting:
         self.index = index if index is not None else KVBlockIndex(config.index_max_entries)
         self.loads = LoadOrder(config.prefill_s, config.decode_request_s, self.index.slot)
         self.queue = PrefillQueue(self.loads)
+        self.terms = LoadTerms(config)
         self.future = FutureCost(HolderPressure(config.retention_margin, config.retention_window_s))
         self.salt: ReplicaSalt | None = None
         self.small_fleet = SMALL_FLEET  # fleets up to this size are predicted whole
@@ -407,30 +461,54 @@ class KvAwareRouting:
         there than finding the few worth predicting.
         """
         tie_key = block_hashes[-1] if block_hashes else prompt_tokens
-        if len(workers) <= self.small_fleet:
-            for worker in workers:
-                if worker.worker_id not in self.loads.known:
-                    self.loads.update(worker)
+        if len(workers) <= self.small_fleet:  # workers not seen before: learnt by _score
             matches = self.index.match_holders(block_hashes, now)
-            candidates = [(w, matches.get(w.worker_id, _NO_MATCH)) for w in workers]
+            candidates: Sequence[tuple[WorkerLoad, WorkerMatch]] = [
+                (w, matches.get(w.worker_id, _NO_MATCH)) for w in workers
+            ]
         else:
             candidates = self._candidates(workers, block_hashes, now, tie_key)
-        scored = [
-            (
-                worker,
-                *_ttft(
-                    worker,
-                    match,
-                    prompt_tokens,
-                    block_size,
-                    self.queue.queued_s(worker.worker_id, now),
-                    self.config,
-                ),
-            )
-            for worker, match in candidates
-        ]
+        scored = self._score(candidates, prompt_tokens, block_size, now)
         weight = self._weight(scored, block_size, prompt_tokens, now)
         return _choose(scored, tie_key, prompt_tokens, self.config, weight, self.salt)
+
+    def _score(
+        self,
+        candidates: Sequence[tuple[WorkerLoad, WorkerMatch]],
+        prompt_tokens: int,
+        block_size: int,
+        now: float,
+    ) -> list[tuple[WorkerLoad, float, int]]:
+        """Each candidate's (worker, TTFT, cached tokens), the same floats as
+        :func:`_ttft`'s: the load terms kept per worker (:class:`LoadTerms`), the prompt's
+        terms computed once per match (workers sharing a match share its object)."""
+        kept, ends = self.terms.kept, self.queue.ends
+        by_match: dict[int, tuple[float, float, int]] = {}
+        scored: list[tuple[WorkerLoad, float, int]] = []
+        for worker, match in candidates:
+            worker_id = worker.worker_id
+            entry = kept.get(worker_id)
+            if entry is None or entry[0] is not worker:
+                entry = self._learn(worker)
+            _, guarded_s, requests_s, others_s = entry
+            queued_s = ends.get(worker_id, now) - now
+            if queued_s <= 0.0:
+                queued_s = 0.0
+            prompt = by_match.get(id(match))
+            if prompt is None:
+                prompt = by_match[id(match)] = _prompt_terms(
+                    match, prompt_tokens, block_size, self.config
+                )
+            term = (queued_s if queued_s < guarded_s else guarded_s) + requests_s + others_s
+            scored.append((worker, term + prompt[0] + prompt[1], prompt[2]))
+        return scored
+
+    def _learn(self, worker: WorkerLoad) -> tuple[WorkerLoad, float, float, float]:
+        """``worker``'s load terms from a load object not seen before; a worker not seen
+        at all also joins the load orders (which a larger fleet's decisions search)."""
+        if worker.worker_id not in self.loads.known:
+            self.loads.update(worker)
+        return self.terms.learn(worker)
 
     def _candidates(
         self, workers: Sequence[WorkerLoad], block_hashes: Sequence[int], now: float, tie_key: int
@@ -534,5 +612,6 @@ class KvAwareRouting:
     def forget_worker(self, worker_id: str) -> None:
         self.index.remove_worker(worker_id)
         self.queue.forget(worker_id)
+        self.terms.forget(worker_id)
         self.future.forget(worker_id)
         self.loads.remove(worker_id)

@@ -143,7 +143,12 @@ class _SlotTerms:
         # whatever rounds to the smallest term is within 1 ns of it
         near = term <= lightest + 2e-9
         slots, term = slots[near], term[near]
+        if len(slots) <= _RANK_IN_PYTHON:
+            return self._lightest_few(slots, term)
         requests, tokens = self.requests[slots], self.tokens[slots]
+        if term.max() == lightest:  # one term (an idle group, say): rank by sort key alone
+            fewest = requests == requests.min()
+            return slots[fewest & (tokens == tokens[fewest].min())]  # type: ignore[no-any-return]
         # rounded as Python rounds, once per distinct term (equal loads share one)
         values, inverse = np.unique(term, return_inverse=True)
         rounded = np.array([round(float(v), 9) for v in values])[inverse]
@@ -151,8 +156,20 @@ class _SlotTerms:
         equal = (term == term[best]) & (requests == requests[best]) & (tokens == tokens[best])
         return slots[equal]  # type: ignore[no-any-return]
 
+    def _lightest_few(
+        self, slots: npt.NDArray[np.intp], term: npt.NDArray[np.float64]
+    ) -> npt.NDArray[np.intp]:
+        """:meth:`lightest`'s ranking of a few near-lightest slots, one by one: cheaper
+        than the sorts that rank many (a call each, whatever the size)."""
+        requests, tokens = self.requests[slots].tolist(), self.tokens[slots].tolist()
+        exact = list(zip(term.tolist(), requests, tokens, strict=True))
+        keys = [(round(t, 9), r, k) for t, r, k in exact]
+        best = exact[min(range(len(keys)), key=keys.__getitem__)]
+        return slots[[i for i, key in enumerate(exact) if key == best]]
+
 
 _FIRST_SLOTS = 64
+_RANK_IN_PYTHON = 8  # near-lightest slots ranked in Python up to this many, else sorted
 
 
 def _grown(values: npt.NDArray[np.float64], size: int, fill: float) -> npt.NDArray[np.float64]:
