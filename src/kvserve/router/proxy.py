@@ -25,7 +25,7 @@ from kvserve.core.routing.policy import Policy
 from kvserve.core.routing.types import RouteQuery, RoutingDecision
 from kvserve.router.config import RouterConfig
 from kvserve.router.errors import openai_error
-from kvserve.router.lean_request import LeanRequest
+from kvserve.router.lean_request import LeanRequest, RelayedAnswer
 from kvserve.router.load_guard import Guard, LoadTracker
 from kvserve.router.metrics import RouterMetrics
 from kvserve.router.prompt_preparer import PromptPreparer
@@ -95,7 +95,9 @@ class Proxy:
         # Proxied requests go through the lean client; ``session`` serves the rest.
         self.upstream = UpstreamClient(config.worker_headers(), config.request_timeout_s)
 
-    async def handle(self, request: web.Request | LeanRequest) -> web.StreamResponse:
+    async def handle(
+        self, request: web.Request | LeanRequest
+    ) -> web.StreamResponse | RelayedAnswer:
         raw = await request.read()  # read (and bounded: 413) by client_guard's middleware
         try:
             body = orjson.loads(raw)
@@ -149,7 +151,7 @@ class Proxy:
         query: RouteQuery,
         worker: Worker,
         decision: RoutingDecision,
-    ) -> web.StreamResponse | _RetryableFailure:
+    ) -> web.StreamResponse | RelayedAnswer | _RetryableFailure:
         attempt = _Attempt(
             worker=worker,
             decision=decision,
@@ -200,7 +202,7 @@ class Proxy:
                 if not first_token_sent and upstream.status < 400:
                     self._first_byte(attempt)
                 self._finish(attempt, upstream.status, cached_tokens_in(answer))
-                return web.Response(status=upstream.status, body=payload, headers=attempt.headers)
+                return RelayedAnswer(upstream.status, attempt.headers, payload)
         except TimeoutError:
             self._record_failure(worker, "timeout")
             return openai_error(
