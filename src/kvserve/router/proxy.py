@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import aiohttp
@@ -114,7 +114,7 @@ class Proxy:
         if self._preparer is not None:
             # Once, before any guard: a client gone meanwhile leaves none held.
             query = await self._preparer.prepare(query)
-        delays = backoff_delays(self._config.retry, self._rng)
+        delays: Iterator[float] | None = None  # made at the first retry: most need none
         tried: set[str] = set()
         while True:
             selected = self._select(query, tried)
@@ -125,6 +125,8 @@ class Proxy:
             outcome = await self._attempt(request, raw, query, worker, decision)
             if not isinstance(outcome, _RetryableFailure):
                 return outcome
+            if delays is None:
+                delays = backoff_delays(self._config.retry, self._rng)
             delay = next(delays, None)
             if delay is None:
                 return outcome.response
@@ -167,42 +169,44 @@ class Proxy:
             attempt.headers[ROUTER_PROCESS_HEADER] = self._process
         url, headers = self._upstream(request, worker, decision)
         try:
-            async with (
-                AnswerWatch(worker) as watch,
-                self.upstream.post(url, data=raw, headers=headers) as upstream,
-            ):
-                attempt.headers |= self._served_by(decision, upstream)
-                self._headers_arrived(attempt.guard, upstream)
-                first_token_sent = upstream.headers.get(FIRST_TOKEN_HEADER) == "1"
-                if first_token_sent:
-                    self._first_byte(attempt)
-                if upstream.status == 401 and not self._passes_client_key:
-                    await upstream.read()
-                    return self._worker_refused_key(attempt)
-                if upstream.status in RETRYABLE_STATUSES:
-                    self._record_failure(worker, f"status_{upstream.status}")
+            with AnswerWatch(worker) as watch:
+                async with self.upstream.post(url, data=raw, headers=headers) as upstream:
+                    attempt.headers |= self._served_by(decision, upstream)
+                    self._headers_arrived(attempt.guard, upstream)
+                    first_token_sent = upstream.headers.get(FIRST_TOKEN_HEADER) == "1"
+                    if first_token_sent:
+                        self._first_byte(attempt)
+                    if upstream.status == 401 and not self._passes_client_key:
+                        await upstream.read()
+                        return self._worker_refused_key(attempt)
+                    if upstream.status in RETRYABLE_STATUSES:
+                        self._record_failure(worker, f"status_{upstream.status}")
+                        payload = await upstream.read()
+                        return _RetryableFailure(
+                            web.Response(
+                                status=upstream.status, body=payload, headers=attempt.headers
+                            )
+                        )
+                    attempt.headers["Content-Type"] = upstream.headers.get(
+                        "Content-Type", "application/json"
+                    )
+                    if upstream.content_type == "text/event-stream":
+                        watch.disarm()  # bytes reach the client from here: slow, maybe, not hung
+                        return await self._relay_stream(request, upstream, attempt)
                     payload = await upstream.read()
-                    return _RetryableFailure(
-                        web.Response(status=upstream.status, body=payload, headers=attempt.headers)
-                    )
-                attempt.headers["Content-Type"] = upstream.headers.get(
-                    "Content-Type", "application/json"
-                )
-                if upstream.content_type == "text/event-stream":
-                    watch.disarm()  # bytes reach the client from here: slow, maybe, not hung
-                    return await self._relay_stream(request, upstream, attempt)
-                payload = await upstream.read()
-                answer = json_body(payload)
-                if first_token_sent and is_error(answer):
-                    # The worker failed after its headers left: the status it could not send.
-                    self._record_failure(worker, "status_503")
-                    return _RetryableFailure(
-                        web.Response(status=503, body=payload, headers=attempt.headers)
-                    )
-                if not first_token_sent and upstream.status < 400:
-                    self._first_byte(attempt)
-                self._finish(attempt, upstream.status, cached_tokens_in(answer))
-                return RelayedAnswer(upstream.status, attempt.headers, payload)
+                    answer = json_body(payload)
+                    if first_token_sent and is_error(answer):
+                        # The worker failed after its headers left: the status it could not send.
+                        self._record_failure(worker, "status_503")
+                        return _RetryableFailure(
+                            web.Response(status=503, body=payload, headers=attempt.headers)
+                        )
+                    if not first_token_sent and upstream.status < 400:
+                        # Its first byte and its last at once: the whole guard goes, in one change.
+                        attempt.guard.release()
+                        self._observe_ttft(attempt)
+                    self._finish(attempt, upstream.status, cached_tokens_in(answer))
+                    return RelayedAnswer(upstream.status, attempt.headers, payload)
         except TimeoutError:
             self._record_failure(worker, "timeout")
             return openai_error(
@@ -295,6 +299,9 @@ class Proxy:
     def _first_byte(self, attempt: _Attempt) -> None:
         """Prefill is over on the worker: its prefill tokens no longer count as load."""
         attempt.guard.release_prefill()
+        self._observe_ttft(attempt)
+
+    def _observe_ttft(self, attempt: _Attempt) -> None:
         self._metrics.ttft.labels(attempt.worker.worker_id).observe(self._clock() - attempt.started)
 
     def _finish(self, attempt: _Attempt, status: int, reported_cached: int | None) -> None:
