@@ -2,8 +2,9 @@
 streamed answer written straight to its connection.
 
 :class:`kvserve.router.proxy.Proxy` reads a request's path, headers and body only, and
-writes a stream through ``prepare``/``write``/``write_eof``: these two classes give it
-that much without aiohttp's request machinery, so one proxy serves both HTTP servers.
+writes a stream through ``prepare``/``write``/``write_eof`` or returns a worker's whole
+answer (:class:`RelayedAnswer`): these classes give it that much without aiohttp's
+request and response machinery, so one proxy serves both HTTP servers.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ _REASONS = {status.value: status.phrase for status in HTTPStatus}  # as aiohttp'
 class LeanRequest:
     """One complete request: the lean server reads the body before routing it."""
 
-    __slots__ = ("_body", "_transport", "headers", "path", "remote")
+    __slots__ = ("_transport", "body", "headers", "path", "remote")
 
     def __init__(
         self,
@@ -33,11 +34,8 @@ class LeanRequest:
         self.path = path
         self.headers = CIMultiDictProxy(headers)
         self.remote = remote
-        self._body = body
+        self.body = body
         self._transport = transport
-
-    async def read(self) -> bytes:
-        return self._body
 
     def stream_response(self, status: int, headers: dict[str, str]) -> LeanStreamResponse:
         return LeanStreamResponse(self._transport, status, headers)

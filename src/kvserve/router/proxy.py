@@ -98,7 +98,8 @@ class Proxy:
     async def handle(
         self, request: web.Request | LeanRequest
     ) -> web.StreamResponse | RelayedAnswer:
-        raw = await request.read()  # read (and bounded: 413) by client_guard's middleware
+        # Read (and bounded: 413) by the lean server, or by client_guard's middleware.
+        raw = request.body if isinstance(request, LeanRequest) else await request.read()
         try:
             body = orjson.loads(raw)
         except orjson.JSONDecodeError:
@@ -302,21 +303,21 @@ class Proxy:
         self._observe_ttft(attempt)
 
     def _observe_ttft(self, attempt: _Attempt) -> None:
-        self._metrics.ttft.labels(attempt.worker.worker_id).observe(self._clock() - attempt.started)
+        self._metrics.worker(attempt.worker.worker_id).ttft.observe(self._clock() - attempt.started)
 
     def _finish(self, attempt: _Attempt, status: int, reported_cached: int | None) -> None:
-        worker_id = attempt.worker.worker_id
-        self._metrics.requests.labels(worker_id, str(status)).inc()
-        self._metrics.e2e.labels(worker_id).observe(self._clock() - attempt.started)
+        figures = self._metrics.worker(attempt.worker.worker_id)
+        figures.requests(status).inc()
+        figures.e2e.observe(self._clock() - attempt.started)
         if status >= 500:
             attempt.worker.breaker.record_failure(self._clock())
             return
         attempt.worker.breaker.record_success()
         if status < 400:
             predicted = attempt.decision.matched_fraction * attempt.query.prefill_tokens
-            self._metrics.predicted_cached_tokens.labels(worker_id).inc(predicted)
+            figures.predicted_cached_tokens.inc(predicted)
             if reported_cached is not None:
-                self._metrics.reported_cached_tokens.labels(worker_id).inc(reported_cached)
+                figures.reported_cached_tokens.inc(reported_cached)
 
     @property
     def _passes_client_key(self) -> bool:
@@ -349,11 +350,15 @@ class Proxy:
 
     def _upstream_headers(self, request: web.Request | LeanRequest) -> dict[str, str]:
         """The body parsed as JSON, so say so even when the client did not (``curl -d``)."""
-        present = (k for k in _FORWARDED_REQUEST_HEADERS if k in request.headers)
-        headers = {"Content-Type": "application/json"} | {k: request.headers[k] for k in present}
+        received = request.headers
+        headers = {"Content-Type": "application/json"}
+        for name in _FORWARDED_REQUEST_HEADERS:
+            value = received.get(name)
+            if value is not None:
+                headers[name] = value
         headers[FIRST_TOKEN_HEADER] = "headers"  # a streamed request's first byte says it
-        if self._passes_client_key and "Authorization" in request.headers:
-            headers["Authorization"] = request.headers["Authorization"]  # the backend's key
+        if self._passes_client_key and "Authorization" in received:
+            headers["Authorization"] = received["Authorization"]  # the backend's key
         return headers  # else the session sends --worker-api-key, if any
 
 
