@@ -19,7 +19,7 @@ def worker() -> Worker:
 
 
 async def wait_for_answer(target: Worker, answered: asyncio.Event, disarm: bool) -> str:
-    async with AnswerWatch(target) as watch:
+    with AnswerWatch(target) as watch:
         await answered.wait()  # the answer's headers
         if disarm:
             watch.disarm()

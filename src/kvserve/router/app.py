@@ -30,7 +30,7 @@ from kvserve.router.errors import openai_error
 from kvserve.router.health import HealthChecker
 from kvserve.router.kv_event_source import KVSERVE_STREAM, parse_kv_event_source
 from kvserve.router.kv_event_subscriber import KVEventSubscriber
-from kvserve.router.lean_request import LeanRequest
+from kvserve.router.lean_request import LeanRequest, RelayedAnswer
 from kvserve.router.lean_server import serve_lean
 from kvserve.router.load_guard import LoadTracker
 from kvserve.router.metrics import RouterMetrics
@@ -232,7 +232,15 @@ class Router:
 
         return guarded
 
-    async def generate(self, request: web.Request | LeanRequest) -> web.StreamResponse:
+    async def generate(self, request: web.Request) -> web.StreamResponse:
+        """The OpenAI routes under aiohttp's server, which needs its own response type."""
+        answer = await self.answer(request)
+        return answer.web_response() if isinstance(answer, RelayedAnswer) else answer
+
+    async def answer(
+        self, request: web.Request | LeanRequest
+    ) -> web.StreamResponse | RelayedAnswer:
+        """The OpenAI routes (the lean server writes a relayed answer itself)."""
         if not bearer_matches(request, self.config.api_key):
             return unauthorized()
         assert self._proxy is not None
@@ -463,7 +471,7 @@ def _serve(config: RouterConfig, member: ProcessMember | None) -> None:
     app = router.build_app()
     reuse_port = member is not None
     if config.http_server == "lean":
-        loop.run_until_complete(serve_lean(app, router.generate, config, reuse_port=reuse_port))
+        loop.run_until_complete(serve_lean(app, router.answer, config, reuse_port=reuse_port))
         return
     loop.run_until_complete(
         serve(app, config.host, config.port, config.client_limits, reuse_port=reuse_port)

@@ -2,22 +2,26 @@
 streamed answer written straight to its connection.
 
 :class:`kvserve.router.proxy.Proxy` reads a request's path, headers and body only, and
-writes a stream through ``prepare``/``write``/``write_eof``: these two classes give it
-that much without aiohttp's request machinery, so one proxy serves both HTTP servers.
+writes a stream through ``prepare``/``write``/``write_eof`` or returns a worker's whole
+answer (:class:`RelayedAnswer`): these classes give it that much without aiohttp's
+request and response machinery, so one proxy serves both HTTP servers.
 """
 
 from __future__ import annotations
 
 import asyncio
+from http import HTTPStatus
 
 from aiohttp import web
 from multidict import CIMultiDict, CIMultiDictProxy
+
+_REASONS = {status.value: status.phrase for status in HTTPStatus}  # as aiohttp's
 
 
 class LeanRequest:
     """One complete request: the lean server reads the body before routing it."""
 
-    __slots__ = ("_body", "_transport", "headers", "path", "remote")
+    __slots__ = ("_transport", "body", "headers", "path", "remote")
 
     def __init__(
         self,
@@ -30,14 +34,39 @@ class LeanRequest:
         self.path = path
         self.headers = CIMultiDictProxy(headers)
         self.remote = remote
-        self._body = body
+        self.body = body
         self._transport = transport
-
-    async def read(self) -> bytes:
-        return self._body
 
     def stream_response(self, status: int, headers: dict[str, str]) -> LeanStreamResponse:
         return LeanStreamResponse(self._transport, status, headers)
+
+
+class RelayedAnswer:
+    """A worker's complete answer as the proxy relays it: status, the proxy's headers (no
+    framing: the server adds it) and the body. The lean server writes it with one
+    ``transport.write`` of bytes built in one pass; aiohttp's ``web.Response`` cost more
+    to build than the rest of the answer's writing, and only the aiohttp server needs one
+    (:meth:`web_response`)."""
+
+    __slots__ = ("body", "headers", "status")
+
+    def __init__(self, status: int, headers: dict[str, str], body: bytes) -> None:
+        self.status = status
+        self.headers = headers
+        self.body = body
+
+    def encode(self, *, keep_alive: bool) -> bytes:
+        """The whole HTTP/1.1 answer: status line, headers, framing, body."""
+        lines = "".join([f"{name}: {value}\r\n" for name, value in self.headers.items()])
+        close = "" if keep_alive else "Connection: close\r\n"
+        head = (
+            f"HTTP/1.1 {self.status} {_REASONS.get(self.status, '')}\r\n{lines}"
+            f"Content-Length: {len(self.body)}\r\n{close}\r\n"
+        )
+        return head.encode("latin-1") + self.body
+
+    def web_response(self) -> web.Response:
+        return web.Response(status=self.status, body=self.body, headers=self.headers)
 
 
 def encode_head(status: int, reason: str, headers: dict[str, str] | CIMultiDict[str]) -> bytes:

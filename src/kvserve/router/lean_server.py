@@ -23,6 +23,7 @@ import logging
 import os
 import signal
 import tempfile
+from collections import deque
 from collections.abc import Awaitable, Callable
 from typing import Any, cast
 
@@ -34,7 +35,7 @@ from kvserve.core.client_limits import ClientLimits, raw_error_response
 from kvserve.router.client_guard import GuardedRequestHandler, handler_settings
 from kvserve.router.config import RouterConfig
 from kvserve.router.errors import openai_error
-from kvserve.router.lean_request import LeanRequest
+from kvserve.router.lean_request import LeanRequest, RelayedAnswer
 
 log = logging.getLogger(__name__)
 
@@ -43,13 +44,23 @@ _HOT_STARTS = (b"POST /v1/chat/completions", b"POST /v1/completions")
 # Headers the lean server writes itself on a complete answer (lower case).
 _FRAMING = frozenset({"content-length", "transfer-encoding"})
 _FRAMING_AND_CONNECTION = _FRAMING | {"connection"}
-LeanHandler = Callable[[LeanRequest], Awaitable[web.StreamResponse]]
+LeanHandler = Callable[[LeanRequest], Awaitable[web.StreamResponse | RelayedAnswer]]
 
 
 class _Parsed:
-    """One request as it arrives: head, then body, then complete."""
+    """One request as it arrives: head, then body, then complete. ``body_waiter`` exists
+    only while the server waits for a body that did not come with the head (rare)."""
 
-    __slots__ = ("body", "complete", "header_bytes", "headers", "keep_alive", "method", "url")
+    __slots__ = (
+        "body",
+        "body_waiter",
+        "complete",
+        "header_bytes",
+        "headers",
+        "keep_alive",
+        "method",
+        "url",
+    )
 
     def __init__(self) -> None:
         self.url = b""
@@ -57,24 +68,34 @@ class _Parsed:
         self.headers: CIMultiDict[str] = CIMultiDict()
         self.header_bytes = 0
         self.body: list[bytes] = []
-        self.complete = asyncio.Event()
+        self.complete = False
+        self.body_waiter: asyncio.Future[None] | None = None
         self.keep_alive = True
 
 
 class LeanConnection(asyncio.Protocol):
     """One client connection: hot requests served here, in order; else spliced."""
 
-    def __init__(self, server: LeanServer) -> None:
+    def __init__(self, server: LeanServer, loop: asyncio.AbstractEventLoop) -> None:
         self._server = server
         self._limits = server.limits
+        # Kept: asyncio.get_running_loop() is a getpid() system call per use on 3.11.
+        self._loop = loop
         self._transport: asyncio.Transport | None = None
         self._parser = httptools.HttpRequestParser(self)
         self._current: _Parsed | None = None
-        self._queue: asyncio.Queue[_Parsed] = asyncio.Queue()
+        # Requests whose headers are in, in order, and the serving task's wake-up while
+        # it waits for the next (a queue without asyncio.Queue's per-call overhead).
+        self._pending: deque[_Parsed] = deque()
+        self._next_ready: asyncio.Future[None] | None = None
         self._worker: asyncio.Task[None] | None = None
         self._first = b""  # bytes before the connection's kind is known
         self._splice: asyncio.Transport | None = None
         self._splicing = False
+        # The header deadline runs from ``_idle_since`` (None: a request is being served).
+        # One timer per deadline period, not per request: when it fires it checks when
+        # the connection last became idle and sets itself again for that deadline.
+        self._idle_since: float | None = None
         self._idle_timer: asyncio.TimerHandle | None = None
         self._remote: str | None = None
 
@@ -88,7 +109,7 @@ class LeanConnection(asyncio.Protocol):
             message = f"The router serves at most {self._limits.max_connections} connections."
             transport.write(raw_error_response(503, message, "too_many_connections"))
             transport.write_eof()
-            asyncio.get_running_loop().call_later(2.0, transport.close)
+            self._loop.call_later(2.0, transport.close)
             self._transport = None
             return
         self._server.connections.add(self)
@@ -96,7 +117,7 @@ class LeanConnection(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._server.connections.discard(self)
-        self._cancel_idle_timer()
+        self._stop_idle_timer()
         if self._worker is not None:
             self._worker.cancel()  # releases what the request holds (proxy's finally)
         if self._splice is not None:
@@ -121,7 +142,7 @@ class LeanConnection(asyncio.Protocol):
                 self._start_splice()
                 return
             data, self._first = self._first, b""
-            self._worker = asyncio.get_running_loop().create_task(self._serve())
+            self._worker = self._loop.create_task(self._serve())
         try:
             self._parser.feed_data(data)
         except httptools.HttpParserUpgrade:
@@ -146,31 +167,43 @@ class LeanConnection(asyncio.Protocol):
 
     def on_headers_complete(self) -> None:
         assert self._current is not None
-        self._cancel_idle_timer()  # the header deadline is met: the body's starts
+        self._idle_since = None  # the header deadline is met: the body's starts
         self._current.method = self._parser.get_method()
         self._current.keep_alive = self._parser.should_keep_alive()
-        self._queue.put_nowait(self._current)
+        self._pending.append(self._current)
+        ready = self._next_ready
+        if ready is not None and not ready.done():
+            ready.set_result(None)
 
     def on_body(self, body: bytes) -> None:
         assert self._current is not None
         self._current.body.append(body)
 
     def on_message_complete(self) -> None:
-        assert self._current is not None
-        self._current.complete.set()
+        current = self._current
+        assert current is not None
+        current.complete = True
+        if current.body_waiter is not None and not current.body_waiter.done():
+            current.body_waiter.set_result(None)
         self._current = None
 
     # --- requests ---------------------------------------------------------------
     async def _serve(self) -> None:
         """The connection's requests, one at a time, in the order they came."""
         while self._transport is not None:
-            parsed = await self._queue.get()
-            keep = await self._answer(parsed)
+            if not self._pending:
+                self._next_ready = self._loop.create_future()
+                try:
+                    await self._next_ready
+                finally:
+                    self._next_ready = None
+                continue
+            keep = await self._answer(self._pending.popleft())
             if not keep or self._transport is None:
                 if self._transport is not None:
                     self._transport.close()
                 return
-            if self._queue.empty():  # else the next request's headers are in already
+            if not self._pending:  # else the next request's headers are in already
                 self._arm_idle_timer()
 
     async def _answer(self, parsed: _Parsed) -> bool:
@@ -183,10 +216,11 @@ class LeanConnection(asyncio.Protocol):
             )
             self._transport.write(raw_error_response(431, message, "headers_too_large"))
             return False
-        if not parsed.complete.is_set():  # most bodies come with their headers: no timer
+        if not parsed.complete:  # most bodies come with their headers: no timer
+            parsed.body_waiter = self._loop.create_future()
             try:
                 async with asyncio.timeout(self._limits.body_timeout_s):
-                    await parsed.complete.wait()
+                    await parsed.body_waiter
             except TimeoutError:
                 message = f"Request body not received within {self._limits.body_timeout_s}s."
                 self._transport.write(raw_error_response(408, message, "body_timeout"))
@@ -216,7 +250,7 @@ class LeanConnection(asyncio.Protocol):
             self._write_response(too_large, keep_alive=False)
             return False
         request = LeanRequest(path, parsed.headers, body, self._remote, self._transport)
-        response: web.StreamResponse
+        response: web.StreamResponse | RelayedAnswer
         try:
             response = await self._server.handle(request)
         except Exception:
@@ -224,9 +258,18 @@ class LeanConnection(asyncio.Protocol):
             response = openai_error(
                 500, "internal router error", error_type="server_error", code="internal_error"
             )
-        if isinstance(response, web.Response):
+        if isinstance(response, RelayedAnswer):
+            self._write_relayed(response, keep_alive=parsed.keep_alive)
+        elif isinstance(response, web.Response):
             self._write_response(response, keep_alive=parsed.keep_alive)
         return parsed.keep_alive and self._transport is not None
+
+    def _write_relayed(self, answer: RelayedAnswer, *, keep_alive: bool) -> None:
+        """A worker's answer in one write: its headers are the proxy's own (no framing)."""
+        transport = self._transport
+        if transport is None or transport.is_closing():
+            return
+        transport.write(answer.encode(keep_alive=keep_alive))
 
     def _write_response(self, response: web.Response, *, keep_alive: bool) -> None:
         if self._transport is None or self._transport.is_closing():
@@ -266,10 +309,10 @@ class LeanConnection(asyncio.Protocol):
     def _start_splice(self) -> None:
         """Hand the whole connection to the aiohttp app."""
         self._splicing = True
-        asyncio.get_running_loop().create_task(self._connect_splice())
+        self._loop.create_task(self._connect_splice())
 
     async def _connect_splice(self) -> None:
-        loop = asyncio.get_running_loop()
+        loop = self._loop
         client = self._transport
         if client is None:
             return
@@ -283,7 +326,7 @@ class LeanConnection(asyncio.Protocol):
         if self._transport is None:  # the client left meanwhile
             splice.close()
             return
-        self._cancel_idle_timer()  # aiohttp keeps its own from here
+        self._stop_idle_timer()  # aiohttp keeps its own from here
         self._splice = splice
         splice.write(_preamble(self._remote) + self._first)
         self._first = b""
@@ -302,19 +345,29 @@ class LeanConnection(asyncio.Protocol):
             self._transport.close()
 
     def _arm_idle_timer(self) -> None:
-        self._cancel_idle_timer()
-        loop = asyncio.get_running_loop()
-        self._idle_timer = loop.call_later(self._limits.header_timeout_s, self._idle)
+        """The connection waits for a request's headers from now on."""
+        self._idle_since = self._loop.time()
+        if self._idle_timer is None:
+            deadline = self._idle_since + self._limits.header_timeout_s
+            self._idle_timer = self._loop.call_at(deadline, self._idle)
 
-    def _cancel_idle_timer(self) -> None:
+    def _stop_idle_timer(self) -> None:
+        self._idle_since = None
         if self._idle_timer is not None:
             self._idle_timer.cancel()
             self._idle_timer = None
 
     def _idle(self) -> None:
         """No request's headers within the header deadline (from the connection's start or
-        the last answer's end): closed silently, as aiohttp closes an idle keep-alive."""
-        if self._transport is not None:
+        the last answer's end): closed silently, as aiohttp closes an idle keep-alive. The
+        timer may be older than the deadline now running: then it waits for that one."""
+        self._idle_timer = None
+        if self._idle_since is None:  # serving: the timer is set again when idle
+            return
+        deadline = self._idle_since + self._limits.header_timeout_s
+        if self._loop.time() < deadline:
+            self._idle_timer = self._loop.call_at(deadline, self._idle)
+        elif self._transport is not None:
             self._transport.close()
 
 
@@ -393,7 +446,7 @@ class LeanServer:
         self.connections: set[LeanConnection] = set()
 
     def connection(self) -> LeanConnection:
-        return LeanConnection(self)
+        return LeanConnection(self, asyncio.get_running_loop())
 
 
 async def serve_lean(

@@ -10,7 +10,7 @@ from prometheus_client.registry import Collector
 
 from kvserve.core.routing.types import RoutingDecision, WorkerLoad
 from kvserve.router.dashboard.decision_log import DecisionLog
-from kvserve.router.loop_metrics import LoopCounter, LoopHistogram
+from kvserve.router.loop_metrics import CounterChild, HistogramChild, LoopCounter, LoopHistogram
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 
@@ -41,9 +41,41 @@ class _HeldLoadCollector(Collector):
         yield tokens
 
 
+class WorkerMetrics:
+    """One worker's children of the metrics the proxy updates on every request, looked up
+    once: a ``labels()`` lookup per update (five per request) cost more than the update."""
+
+    __slots__ = (
+        "_by_status",
+        "_requests",
+        "_worker_id",
+        "e2e",
+        "predicted_cached_tokens",
+        "reported_cached_tokens",
+        "ttft",
+    )
+
+    def __init__(self, metrics: RouterMetrics, worker_id: str) -> None:
+        self._worker_id = worker_id
+        self._requests = metrics.requests
+        self._by_status: dict[int, CounterChild] = {}
+        self.ttft: HistogramChild = metrics.ttft.labels(worker_id)
+        self.e2e: HistogramChild = metrics.e2e.labels(worker_id)
+        self.predicted_cached_tokens = metrics.predicted_cached_tokens.labels(worker_id)
+        self.reported_cached_tokens = metrics.reported_cached_tokens.labels(worker_id)
+
+    def requests(self, status: int) -> CounterChild:
+        """The count of this worker's answers with ``status``."""
+        child = self._by_status.get(status)
+        if child is None:
+            child = self._by_status[status] = self._requests.labels(self._worker_id, str(status))
+        return child
+
+
 class RouterMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
+        self._workers: dict[str, WorkerMetrics] = {}
 
         def counter(name: str, doc: str, *labels: str) -> LoopCounter:
             return LoopCounter(name, doc, labels, self.registry)
@@ -114,6 +146,14 @@ class RouterMetrics:
             registry=self.registry,
         )
         self.recent_decisions = DecisionLog()  # for the dashboard: which request, and why
+
+    def worker(self, worker_id: str) -> WorkerMetrics:
+        """``worker_id``'s per-request metrics (kept for a removed worker, as its series
+        are: the counts stay on ``/metrics``)."""
+        found = self._workers.get(worker_id)
+        if found is None:
+            found = self._workers[worker_id] = WorkerMetrics(self, worker_id)
+        return found
 
     def record_decision(self, decision: RoutingDecision) -> None:
         """Count a routing decision and keep it among the recent ones."""

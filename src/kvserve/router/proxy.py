@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import aiohttp
@@ -25,7 +25,7 @@ from kvserve.core.routing.policy import Policy
 from kvserve.core.routing.types import RouteQuery, RoutingDecision
 from kvserve.router.config import RouterConfig
 from kvserve.router.errors import openai_error
-from kvserve.router.lean_request import LeanRequest
+from kvserve.router.lean_request import LeanRequest, RelayedAnswer
 from kvserve.router.load_guard import Guard, LoadTracker
 from kvserve.router.metrics import RouterMetrics
 from kvserve.router.prompt_preparer import PromptPreparer
@@ -95,8 +95,11 @@ class Proxy:
         # Proxied requests go through the lean client; ``session`` serves the rest.
         self.upstream = UpstreamClient(config.worker_headers(), config.request_timeout_s)
 
-    async def handle(self, request: web.Request | LeanRequest) -> web.StreamResponse:
-        raw = await request.read()  # read (and bounded: 413) by client_guard's middleware
+    async def handle(
+        self, request: web.Request | LeanRequest
+    ) -> web.StreamResponse | RelayedAnswer:
+        # Read (and bounded: 413) by the lean server, or by client_guard's middleware.
+        raw = request.body if isinstance(request, LeanRequest) else await request.read()
         try:
             body = orjson.loads(raw)
         except orjson.JSONDecodeError:
@@ -112,7 +115,7 @@ class Proxy:
         if self._preparer is not None:
             # Once, before any guard: a client gone meanwhile leaves none held.
             query = await self._preparer.prepare(query)
-        delays = backoff_delays(self._config.retry, self._rng)
+        delays: Iterator[float] | None = None  # made at the first retry: most need none
         tried: set[str] = set()
         while True:
             selected = self._select(query, tried)
@@ -123,6 +126,8 @@ class Proxy:
             outcome = await self._attempt(request, raw, query, worker, decision)
             if not isinstance(outcome, _RetryableFailure):
                 return outcome
+            if delays is None:
+                delays = backoff_delays(self._config.retry, self._rng)
             delay = next(delays, None)
             if delay is None:
                 return outcome.response
@@ -149,7 +154,7 @@ class Proxy:
         query: RouteQuery,
         worker: Worker,
         decision: RoutingDecision,
-    ) -> web.StreamResponse | _RetryableFailure:
+    ) -> web.StreamResponse | RelayedAnswer | _RetryableFailure:
         attempt = _Attempt(
             worker=worker,
             decision=decision,
@@ -165,42 +170,44 @@ class Proxy:
             attempt.headers[ROUTER_PROCESS_HEADER] = self._process
         url, headers = self._upstream(request, worker, decision)
         try:
-            async with (
-                AnswerWatch(worker) as watch,
-                self.upstream.post(url, data=raw, headers=headers) as upstream,
-            ):
-                attempt.headers |= self._served_by(decision, upstream)
-                self._headers_arrived(attempt.guard, upstream)
-                first_token_sent = upstream.headers.get(FIRST_TOKEN_HEADER) == "1"
-                if first_token_sent:
-                    self._first_byte(attempt)
-                if upstream.status == 401 and not self._passes_client_key:
-                    await upstream.read()
-                    return self._worker_refused_key(attempt)
-                if upstream.status in RETRYABLE_STATUSES:
-                    self._record_failure(worker, f"status_{upstream.status}")
+            with AnswerWatch(worker) as watch:
+                async with self.upstream.post(url, data=raw, headers=headers) as upstream:
+                    attempt.headers |= self._served_by(decision, upstream)
+                    self._headers_arrived(attempt.guard, upstream)
+                    first_token_sent = upstream.headers.get(FIRST_TOKEN_HEADER) == "1"
+                    if first_token_sent:
+                        self._first_byte(attempt)
+                    if upstream.status == 401 and not self._passes_client_key:
+                        await upstream.read()
+                        return self._worker_refused_key(attempt)
+                    if upstream.status in RETRYABLE_STATUSES:
+                        self._record_failure(worker, f"status_{upstream.status}")
+                        payload = await upstream.read()
+                        return _RetryableFailure(
+                            web.Response(
+                                status=upstream.status, body=payload, headers=attempt.headers
+                            )
+                        )
+                    attempt.headers["Content-Type"] = upstream.headers.get(
+                        "Content-Type", "application/json"
+                    )
+                    if upstream.content_type == "text/event-stream":
+                        watch.disarm()  # bytes reach the client from here: slow, maybe, not hung
+                        return await self._relay_stream(request, upstream, attempt)
                     payload = await upstream.read()
-                    return _RetryableFailure(
-                        web.Response(status=upstream.status, body=payload, headers=attempt.headers)
-                    )
-                attempt.headers["Content-Type"] = upstream.headers.get(
-                    "Content-Type", "application/json"
-                )
-                if upstream.content_type == "text/event-stream":
-                    watch.disarm()  # bytes reach the client from here: slow, maybe, not hung
-                    return await self._relay_stream(request, upstream, attempt)
-                payload = await upstream.read()
-                answer = json_body(payload)
-                if first_token_sent and is_error(answer):
-                    # The worker failed after its headers left: the status it could not send.
-                    self._record_failure(worker, "status_503")
-                    return _RetryableFailure(
-                        web.Response(status=503, body=payload, headers=attempt.headers)
-                    )
-                if not first_token_sent and upstream.status < 400:
-                    self._first_byte(attempt)
-                self._finish(attempt, upstream.status, cached_tokens_in(answer))
-                return web.Response(status=upstream.status, body=payload, headers=attempt.headers)
+                    answer = json_body(payload)
+                    if first_token_sent and is_error(answer):
+                        # The worker failed after its headers left: the status it could not send.
+                        self._record_failure(worker, "status_503")
+                        return _RetryableFailure(
+                            web.Response(status=503, body=payload, headers=attempt.headers)
+                        )
+                    if not first_token_sent and upstream.status < 400:
+                        # Its first byte and its last at once: the whole guard goes, in one change.
+                        attempt.guard.release()
+                        self._observe_ttft(attempt)
+                    self._finish(attempt, upstream.status, cached_tokens_in(answer))
+                    return RelayedAnswer(upstream.status, attempt.headers, payload)
         except TimeoutError:
             self._record_failure(worker, "timeout")
             return openai_error(
@@ -293,21 +300,24 @@ class Proxy:
     def _first_byte(self, attempt: _Attempt) -> None:
         """Prefill is over on the worker: its prefill tokens no longer count as load."""
         attempt.guard.release_prefill()
-        self._metrics.ttft.labels(attempt.worker.worker_id).observe(self._clock() - attempt.started)
+        self._observe_ttft(attempt)
+
+    def _observe_ttft(self, attempt: _Attempt) -> None:
+        self._metrics.worker(attempt.worker.worker_id).ttft.observe(self._clock() - attempt.started)
 
     def _finish(self, attempt: _Attempt, status: int, reported_cached: int | None) -> None:
-        worker_id = attempt.worker.worker_id
-        self._metrics.requests.labels(worker_id, str(status)).inc()
-        self._metrics.e2e.labels(worker_id).observe(self._clock() - attempt.started)
+        figures = self._metrics.worker(attempt.worker.worker_id)
+        figures.requests(status).inc()
+        figures.e2e.observe(self._clock() - attempt.started)
         if status >= 500:
             attempt.worker.breaker.record_failure(self._clock())
             return
         attempt.worker.breaker.record_success()
         if status < 400:
             predicted = attempt.decision.matched_fraction * attempt.query.prefill_tokens
-            self._metrics.predicted_cached_tokens.labels(worker_id).inc(predicted)
+            figures.predicted_cached_tokens.inc(predicted)
             if reported_cached is not None:
-                self._metrics.reported_cached_tokens.labels(worker_id).inc(reported_cached)
+                figures.reported_cached_tokens.inc(reported_cached)
 
     @property
     def _passes_client_key(self) -> bool:
@@ -340,11 +350,15 @@ class Proxy:
 
     def _upstream_headers(self, request: web.Request | LeanRequest) -> dict[str, str]:
         """The body parsed as JSON, so say so even when the client did not (``curl -d``)."""
-        present = (k for k in _FORWARDED_REQUEST_HEADERS if k in request.headers)
-        headers = {"Content-Type": "application/json"} | {k: request.headers[k] for k in present}
+        received = request.headers
+        headers = {"Content-Type": "application/json"}
+        for name in _FORWARDED_REQUEST_HEADERS:
+            value = received.get(name)
+            if value is not None:
+                headers[name] = value
         headers[FIRST_TOKEN_HEADER] = "headers"  # a streamed request's first byte says it
-        if self._passes_client_key and "Authorization" in request.headers:
-            headers["Authorization"] = request.headers["Authorization"]  # the backend's key
+        if self._passes_client_key and "Authorization" in received:
+            headers["Authorization"] = received["Authorization"]  # the backend's key
         return headers  # else the session sends --worker-api-key, if any
 
 

@@ -95,7 +95,12 @@ def build_route_query(
     session_header: str,
     chars_per_token: float,
 ) -> RouteQuery:
-    text = prompt_text(body)
+    prompt = body.get("prompt")
+    if isinstance(prompt, str) and "messages" not in body:  # the usual completion: shortcut
+        text, prefill_tokens = prompt, max(1, round(len(prompt) / chars_per_token))
+    else:
+        text = prompt_text(body)
+        prefill_tokens = prefill_estimate(body, text, chars_per_token)
     user = body.get("user")
     session_key = headers.get(session_header) or (user if isinstance(user, str) else None)
     model = body.get("model")
@@ -103,6 +108,6 @@ def build_route_query(
         text=salt_key(body) + text,
         model=model if isinstance(model, str) else "",
         session_key=session_key or None,
-        prefill_tokens=prefill_estimate(body, text, chars_per_token),
+        prefill_tokens=prefill_tokens,
         body=body,
     )

@@ -34,14 +34,22 @@ _PAUSE_READING_BYTES = 1 << 20
 
 
 class _Connection(asyncio.Protocol):
-    """One keep-alive connection to a worker and the response being read on it."""
+    """One keep-alive connection to a worker and the response being read on it.
 
-    def __init__(self) -> None:
+    The request's deadline is checked by one timer per connection, not one per request:
+    when it fires it compares the clock with the deadline of the request in flight now
+    (None: none is) and sets itself again for that deadline if it is not due yet.
+    """
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop  # kept: asyncio.get_running_loop() is a getpid() call on 3.11
         self.transport: asyncio.Transport | None = None
         self.closed = False
         self._parser = httptools.HttpResponseParser(self)
         self._error: BaseException | None = None
         self._wakeup: asyncio.Future[None] | None = None
+        self._deadline: float | None = None
+        self._timer: asyncio.TimerHandle | None = None
         self._reset_response()
 
     def _reset_response(self) -> None:
@@ -68,6 +76,7 @@ class _Connection(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
+        self._stop_timer()
         if not self.complete:
             self._fail(aiohttp.ServerDisconnectedError(f"worker closed the connection: {exc}"))
 
@@ -106,16 +115,28 @@ class _Connection(asyncio.Protocol):
             self._error = error
         self._wake()
 
-    def time_out(self) -> None:
-        """The request's deadline passed: whatever waits on this connection raises."""
-        self._fail(TimeoutError())
+    def _check_deadline(self) -> None:
+        """The timer fired: time the request in flight out if its deadline passed."""
+        self._timer = None
+        if self._deadline is None:
+            return
+        if self._loop.time() < self._deadline:
+            self._timer = self._loop.call_at(self._deadline, self._check_deadline)
+            return
+        self._fail(TimeoutError())  # whatever waits on this connection raises
         self.close()
+
+    def _stop_timer(self) -> None:
+        self._deadline = None
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
 
     async def wait(self) -> None:
         """Until the parser has something new (or the connection failed)."""
         if self._error is not None:
             raise self._error
-        self._wakeup = asyncio.get_running_loop().create_future()
+        self._wakeup = self._loop.create_future()
         try:
             await self._wakeup
         finally:
@@ -133,15 +154,23 @@ class _Connection(asyncio.Protocol):
     def reusable(self) -> bool:
         return self.complete and not self.closed and self._error is None and self.keep_alive
 
-    def start_request(self, request: bytes) -> None:
+    def start_request(self, request: bytes, timeout_s: float) -> None:
         assert self.transport is not None
         if self._paused:  # the last response completed while paused, and was not all read
             self.transport.resume_reading()
         self._reset_response()
+        self._deadline = self._loop.time() + timeout_s
+        if self._timer is None:
+            self._timer = self._loop.call_at(self._deadline, self._check_deadline)
         self.transport.write(request)
+
+    def end_request(self) -> None:
+        """The request is over: no deadline runs until the next one."""
+        self._deadline = None
 
     def close(self) -> None:
         self.closed = True
+        self._stop_timer()
         if self.transport is not None:
             self.transport.close()
 
@@ -168,10 +197,14 @@ class UpstreamResponse:
         return value.partition(";")[0].strip().lower()
 
     async def read(self) -> bytes:
+        """The whole body (most often in already: then nothing is awaited)."""
+        connection = self._connection
         parts: list[bytes] = []
-        async for chunk in self.iter_any():
-            parts.append(chunk)
-        return b"".join(parts)
+        while True:
+            parts += connection.take_chunks()  # taken as they come: a paused socket resumes
+            if connection.complete:
+                return parts[0] if len(parts) == 1 else b"".join(parts)
+            await connection.wait()
 
     async def iter_any(self) -> AsyncIterator[bytes]:
         """The body's bytes as they arrive, in the pieces they arrive in."""
@@ -199,18 +232,16 @@ class _Request:
         self._headers = headers
         self._connection: _Connection | None = None
         self._origin: tuple[str, str, int] | None = None
-        self._timer: asyncio.TimerHandle | None = None
 
     async def __aenter__(self) -> UpstreamResponse:
-        loop = asyncio.get_running_loop()
-        scheme, host, port, path = self._client.target(self._url)
-        request = self._client.encode(host, port, path, self._body, self._headers)
-        self._origin = (scheme, host, port)
-        connection = await self._client.acquire(self._origin)
+        client = self._client
+        scheme, host, port, path = client.target(self._url)
+        request = client.encode(host, port, path, self._body, self._headers)
+        self._origin = origin = (scheme, host, port)
+        connection = client.idle_connection(origin) or await client.connect(origin)
         self._connection = connection
-        self._timer = loop.call_at(loop.time() + self._client.timeout_s, connection.time_out)
         try:
-            connection.start_request(request)
+            connection.start_request(request, client.timeout_s)
             while not connection.headers_done:
                 await connection.wait()
         except BaseException:  # an error, a timeout or a cancelled handler: free it now
@@ -224,9 +255,8 @@ class _Request:
         exc: BaseException | None,
         traceback: TracebackType | None,
     ) -> None:
-        if self._timer is not None:
-            self._timer.cancel()
         if self._connection is not None and self._origin is not None:
+            self._connection.end_request()
             self._client.release(self._origin, self._connection)
 
 
@@ -263,28 +293,36 @@ class UpstreamClient:
         self, host: str, port: int, path: str, body: bytes, headers: Mapping[str, str]
     ) -> bytes:
         """The request's bytes: request line, headers, body, for one socket write."""
-        lines = [f"POST {path} HTTP/1.1\r\nHost: {host}:{port}\r\nContent-Length: {len(body)}"]
         merged = self._default_headers | dict(headers) if headers else self._default_headers
-        for name, value in merged.items():
-            if "\r" in value or "\n" in value or "\r" in name or "\n" in name:
-                raise ValueError(f"header {name!r} holds a line break")
-            lines.append(f"{name}: {value}")
-        lines.append("\r\n")
-        return "\r\n".join(lines).encode("latin-1") + body
+        every = "".join(merged) + "".join(merged.values())  # one search, not four per header
+        if "\r" in every or "\n" in every:
+            name = next(n for n, v in merged.items() if "\r" in n + v or "\n" in n + v)
+            raise ValueError(f"header {name!r} holds a line break")
+        fields = "".join([f"{name}: {value}\r\n" for name, value in merged.items()])
+        head = f"POST {path} HTTP/1.1\r\nHost: {host}:{port}\r\nContent-Length: {len(body)}\r\n"
+        return (head + fields + "\r\n").encode("latin-1") + body
 
-    async def acquire(self, origin: tuple[str, str, int]) -> _Connection:
-        """An idle pooled connection to ``origin``, else a new one."""
+    def idle_connection(self, origin: tuple[str, str, int]) -> _Connection | None:
+        """An idle pooled connection to ``origin``, if there is one (no await: the usual
+        case costs no coroutine)."""
         idle = self._idle.get(origin)
         while idle:
             connection = idle.pop()
             if not connection.closed:
                 return connection
+        return None
+
+    async def connect(self, origin: tuple[str, str, int]) -> _Connection:
+        """A new connection to ``origin``."""
         scheme, host, port = origin
         loop = asyncio.get_running_loop()
         try:
             _, connection = await asyncio.wait_for(
                 loop.create_connection(
-                    _Connection, host, port, ssl=self._ssl_context() if scheme == "https" else None
+                    lambda: _Connection(loop),
+                    host,
+                    port,
+                    ssl=self._ssl_context() if scheme == "https" else None,
                 ),
                 self.timeout_s,
             )

@@ -41,6 +41,30 @@ def _common_prefix_length(label: str, text: str, start: int) -> int:
     return low
 
 
+class Walk:
+    """Where a text leads in the tree: the nodes its longest cached prefix passes through,
+    each with the text's position after it (the last node perhaps matched only in part).
+
+    A policy matches a prompt and then inserts it where it sent it: one walk serves both
+    (``tree.walk``, then ``tree.insert_walked``), since walking the tree was most of the
+    cost of each. Valid until the tree next changes.
+    """
+
+    __slots__ = ("path", "text")
+
+    def __init__(self, text: str, path: list[tuple[int, _Node]]) -> None:
+        self.text = text
+        self.path = path
+
+    def matched(self) -> dict[str, int]:
+        """Characters of the text's longest cached prefix, per tenant that holds one."""
+        matched: dict[str, int] = {}
+        for depth, on_path in reversed(self.path):
+            for tenant in on_path.tenants:
+                matched.setdefault(tenant, depth)
+        return matched
+
+
 class ApproximatePrefixTree:
     """Prompts routed so far, as a radix tree of characters tagged with tenants."""
 
@@ -50,45 +74,50 @@ class ApproximatePrefixTree:
 
     def insert(self, text: str, tenant: str, now: float) -> None:
         """Record that ``text`` was sent to ``tenant`` at time ``now``."""
+        self.insert_walked(self.walk(text), tenant, now)
+
+    def insert_walked(self, walk: Walk, tenant: str, now: float) -> None:
+        """``insert(walk.text, ...)`` along a walk taken since the tree last changed."""
+        text = walk.text
         node, pos = self._root, 0
         node.last_access = now
-        while pos < len(text):
-            child = node.children.get(text[pos])
-            if child is None:
-                child = _Node(text[pos:], node, now)
-                node.children[text[pos]] = child
-                self.size_chars += len(child.label)
-                child.tenants.add(tenant)
-                return
-            common = _common_prefix_length(child.label, text, pos)
+        for depth, child in walk.path:
+            common = depth - pos
             if common < len(child.label):
                 child = self._split(child, common)
             child.tenants.add(tenant)
             child.last_access = now
-            node, pos = child, pos + common
+            node, pos = child, depth
+        if pos < len(text):
+            leaf = _Node(text[pos:], node, now)
+            node.children[text[pos]] = leaf
+            self.size_chars += len(leaf.label)
+            leaf.tenants.add(tenant)
 
     def match(self, text: str) -> dict[str, int]:
         """Characters of ``text``'s longest cached prefix, per tenant that holds one.
 
         Read-only: access times change when the routed prompt is inserted.
         """
+        return self.walk(text).matched()
+
+    def walk(self, text: str) -> Walk:
+        """The path of ``text``'s longest cached prefix (read-only, as ``match``)."""
         path: list[tuple[int, _Node]] = []
-        node, pos = self._root, 0
-        while pos < len(text):
+        node, pos, end = self._root, 0, len(text)
+        while pos < end:
             child = node.children.get(text[pos])
             if child is None:
                 break
-            common = _common_prefix_length(child.label, text, pos)
-            pos += common
-            path.append((pos, child))
-            if common < len(child.label):
-                break
-            node = child
-        matched: dict[str, int] = {}
-        for depth, on_path in reversed(path):
-            for tenant in on_path.tenants:
-                matched.setdefault(tenant, depth)
-        return matched
+            label = child.label
+            if text.startswith(label, pos):  # the whole label: the usual step
+                pos += len(label)
+                path.append((pos, child))
+                node = child
+                continue
+            path.append((pos + _common_prefix_length(label, text, pos), child))
+            break
+        return Walk(text, path)
 
     def evict_to(self, max_chars: int) -> int:
         """Drop least-recently-used leaves until the tree holds at most ``max_chars``.

@@ -101,7 +101,10 @@ class CacheAwareIndex:
         return sum(tree.size_chars for tree in self._trees.values())
 
     def tree(self, pool: str, model: str) -> ApproximatePrefixTree:
-        return self._trees.setdefault((pool, model), ApproximatePrefixTree())
+        tree = self._trees.get((pool, model))
+        if tree is None:  # not setdefault: that would build a tree per request to drop
+            tree = self._trees[(pool, model)] = ApproximatePrefixTree()
+        return tree
 
     def forget_worker(self, worker_id: str) -> None:
         for tree in self._trees.values():

@@ -55,12 +55,14 @@ class CacheAwarePolicy(Policy):
     ) -> RoutingDecision:
         self._index.maybe_trim(now)
         tree = self._index.tree(query.pool, query.model)
-        matched = tree.match(query.text)
+        walk = tree.walk(query.text)
+        matched = walk.matched()
         choice = select_worker(
             workers, matched, len(query.text), self._config, self._rotations[query.pool]
         )
         worker_id = choice.worker.worker_id
-        take_back = _insert(tree, query.text, worker_id, matched.get(worker_id, 0), now)
+        tree.insert_walked(walk, worker_id, now)  # the tree has not changed since the walk
+        take_back = _untag(tree, query.text, worker_id, matched.get(worker_id, 0))
         return RoutingDecision(
             worker_id, self.name, choice.reason, choice.matched_fraction, take_back
         )
@@ -129,4 +131,9 @@ def _insert(
     """Record ``text`` as sent to ``worker_id``, which held ``held_chars`` of it before;
     returns what takes that back (only the part it did not hold)."""
     tree.insert(text, worker_id, now)
+    return _untag(tree, text, worker_id, held_chars)
+
+
+def _untag(tree: ApproximatePrefixTree, text: str, worker_id: str, held_chars: int) -> TakeBack:
+    """What takes back ``text``'s insertion for ``worker_id`` (which held ``held_chars``)."""
     return lambda _: tree.untag(text, worker_id, held_chars)
