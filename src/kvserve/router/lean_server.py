@@ -42,8 +42,7 @@ log = logging.getLogger(__name__)
 HOT_PATHS = frozenset({"/v1/chat/completions", "/v1/completions"})
 _HOT_STARTS = (b"POST /v1/chat/completions", b"POST /v1/completions")
 # Headers the lean server writes itself on a complete answer (lower case).
-_FRAMING = frozenset({"content-length", "transfer-encoding"})
-_FRAMING_AND_CONNECTION = _FRAMING | {"connection"}
+_FRAMING_AND_CONNECTION = frozenset({"content-length", "transfer-encoding", "connection"})
 LeanHandler = Callable[[LeanRequest], Awaitable[web.StreamResponse | RelayedAnswer]]
 
 
@@ -272,18 +271,12 @@ class LeanConnection(asyncio.Protocol):
         transport.write(answer.encode(keep_alive=keep_alive))
 
     def _write_response(self, response: web.Response, *, keep_alive: bool) -> None:
-        if self._transport is None or self._transport.is_closing():
-            return
         body = response.body if isinstance(response.body, bytes) else b""
-        # One pass over the answer's headers, framing replaced: no copy of the multidict.
-        dropped = _FRAMING if keep_alive else _FRAMING_AND_CONNECTION
-        lines = [f"HTTP/1.1 {response.status} {response.reason}"]
-        lines += [f"{k}: {v}" for k, v in response.headers.items() if k.lower() not in dropped]
-        lines.append(f"Content-Length: {len(body)}")
-        if not keep_alive:
-            lines.append("Connection: close")
-        lines.append("\r\n")
-        self._transport.write("\r\n".join(lines).encode("latin-1") + body)
+        # Framing and Connection are the server's to write, as for a relayed answer.
+        headers = {
+            k: v for k, v in response.headers.items() if k.lower() not in _FRAMING_AND_CONNECTION
+        }
+        self._write_relayed(RelayedAnswer(response.status, headers, body), keep_alive=keep_alive)
 
     async def _forward(self, parsed: _Parsed, body: bytes) -> None:
         """A request the lean server does not serve, sent alone to the aiohttp app."""
