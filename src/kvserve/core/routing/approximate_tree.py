@@ -15,12 +15,20 @@ import heapq
 import itertools
 from collections.abc import Iterator
 
+# Distinct tenant sets kept for sharing; past it the table starts over (see ``_shared``).
+_SHARED_TENANT_SETS = 4096
+
 
 class _Node:
     __slots__ = ("children", "depth", "label", "last_access", "parent", "tenants")
 
     def __init__(
-        self, label: str, parent: _Node | None, depth: int, now: float, tenants: set[str]
+        self,
+        label: str,
+        parent: _Node | None,
+        depth: int,
+        now: float,
+        tenants: frozenset[str],
     ) -> None:
         self.label = label
         self.parent = parent
@@ -81,11 +89,27 @@ class Walk:
 
 
 class ApproximatePrefixTree:
-    """Prompts routed so far, as a radix tree of characters tagged with tenants."""
+    """Prompts routed so far, as a radix tree of characters tagged with tenants.
+
+    A node's tenants are a frozenset shared by every node with the same tenants (a fleet
+    has few distinct sets): a set per node was half of a node's memory, and an object
+    more per node for the allocator and the cyclic collector on every routed prompt.
+    """
 
     def __init__(self) -> None:
-        self._root = _Node("", None, 0, 0.0, set())
+        self._tenant_sets: dict[frozenset[str], frozenset[str]] = {}
+        self._root = _Node("", None, 0, 0.0, self._shared(frozenset()))
         self.size_chars = 0
+
+    def _shared(self, tenants: frozenset[str]) -> frozenset[str]:
+        """The one shared set equal to ``tenants`` (sharing saves memory only: equal sets
+        are alike whichever object they are, so the table may start over at any time)."""
+        found = self._tenant_sets.get(tenants)
+        if found is None:
+            if len(self._tenant_sets) >= _SHARED_TENANT_SETS:
+                self._tenant_sets.clear()
+            found = self._tenant_sets[tenants] = tenants
+        return found
 
     def insert(self, text: str, tenant: str, now: float) -> None:
         """Record that ``text`` was sent to ``tenant`` at time ``now``."""
@@ -97,17 +121,20 @@ class ApproximatePrefixTree:
         node = self._root
         node.last_access = now
         for node in walk.path:
-            node.tenants.add(tenant)
+            if tenant not in node.tenants:
+                node.tenants = self._shared(node.tenants | {tenant})
             node.last_access = now
         pos = node.depth
         partial = walk.partial
         if partial is not None:
             node = self._split(partial, walk.matched_chars - pos)
-            node.tenants.add(tenant)
+            if tenant not in node.tenants:
+                node.tenants = self._shared(node.tenants | {tenant})
             node.last_access = now
             pos = node.depth
         if pos < len(text):
-            node.children[text[pos]] = _Node(text[pos:], node, len(text), now, {tenant})
+            alone = self._shared(frozenset((tenant,)))
+            node.children[text[pos]] = _Node(text[pos:], node, len(text), now, alone)
             self.size_chars += len(text) - pos
 
     def match(self, text: str) -> dict[str, int]:
@@ -176,7 +203,7 @@ class ApproximatePrefixTree:
                 break
             if any(tenant in c.tenants for c in on_path.children.values()):
                 break
-            on_path.tenants.discard(tenant)
+            on_path.tenants = self._shared(on_path.tenants - {tenant})
             if not on_path.tenants:
                 self._detach(on_path)
 
@@ -186,7 +213,7 @@ class ApproximatePrefixTree:
         while stack:
             node = stack.pop()
             for child in list(node.children.values()):
-                child.tenants.discard(tenant)
+                child.tenants = self._shared(child.tenants - {tenant})
                 if child.tenants:
                     stack.append(child)
                 else:
@@ -197,7 +224,7 @@ class ApproximatePrefixTree:
         parent = child.parent
         assert parent is not None
         label = child.label
-        upper = _Node(label[:at], parent, parent.depth + at, child.last_access, set(child.tenants))
+        upper = _Node(label[:at], parent, parent.depth + at, child.last_access, child.tenants)
         parent.children[label[0]] = upper
         child.label = label[at:]
         child.parent = upper
