@@ -15,15 +15,29 @@ import heapq
 import itertools
 from collections.abc import Iterator
 
+# Distinct tenant sets kept for sharing; past it the table starts over (see ``_shared``).
+_SHARED_TENANT_SETS = 4096
+
 
 class _Node:
-    __slots__ = ("children", "label", "last_access", "parent", "tenants")
+    __slots__ = ("children", "depth", "label", "last_access", "parent", "tenants")
 
-    def __init__(self, label: str, parent: _Node | None, now: float) -> None:
+    def __init__(
+        self,
+        label: str,
+        parent: _Node | None,
+        depth: int,
+        now: float,
+        tenants: frozenset[str],
+    ) -> None:
         self.label = label
         self.parent = parent
+        # Characters from the root to the end of this node's label: fixed while the node
+        # lives (a split only shortens a label at its start), so a walk steps to it
+        # without adding label lengths.
+        self.depth = depth
         self.children: dict[str, _Node] = {}
-        self.tenants: set[str] = set()
+        self.tenants = tenants
         self.last_access = now
 
 
@@ -42,35 +56,60 @@ def _common_prefix_length(label: str, text: str, start: int) -> int:
 
 
 class Walk:
-    """Where a text leads in the tree: the nodes its longest cached prefix passes through,
-    each with the text's position after it (the last node perhaps matched only in part).
+    """Where a text leads in the tree: the nodes whose whole label its longest cached
+    prefix covers, then perhaps one node it covers only in part, and the length of that
+    prefix.
 
     A policy matches a prompt and then inserts it where it sent it: one walk serves both
     (``tree.walk``, then ``tree.insert_walked``), since walking the tree was most of the
     cost of each. Valid until the tree next changes.
     """
 
-    __slots__ = ("path", "text")
+    __slots__ = ("matched_chars", "partial", "path", "text")
 
-    def __init__(self, text: str, path: list[tuple[int, _Node]]) -> None:
+    def __init__(
+        self, text: str, path: list[_Node], partial: _Node | None, matched_chars: int
+    ) -> None:
         self.text = text
         self.path = path
+        self.partial = partial
+        self.matched_chars = matched_chars
 
     def matched(self) -> dict[str, int]:
         """Characters of the text's longest cached prefix, per tenant that holds one."""
         matched: dict[str, int] = {}
-        for depth, on_path in reversed(self.path):
+        if self.partial is not None:
+            matched = dict.fromkeys(self.partial.tenants, self.matched_chars)
+        for on_path in reversed(self.path):
+            depth = on_path.depth
             for tenant in on_path.tenants:
-                matched.setdefault(tenant, depth)
+                if tenant not in matched:
+                    matched[tenant] = depth
         return matched
 
 
 class ApproximatePrefixTree:
-    """Prompts routed so far, as a radix tree of characters tagged with tenants."""
+    """Prompts routed so far, as a radix tree of characters tagged with tenants.
+
+    A node's tenants are a frozenset shared by every node with the same tenants (a fleet
+    has few distinct sets): a set per node was half of a node's memory, and an object
+    more per node for the allocator and the cyclic collector on every routed prompt.
+    """
 
     def __init__(self) -> None:
-        self._root = _Node("", None, 0.0)
+        self._tenant_sets: dict[frozenset[str], frozenset[str]] = {}
+        self._root = _Node("", None, 0, 0.0, self._shared(frozenset()))
         self.size_chars = 0
+
+    def _shared(self, tenants: frozenset[str]) -> frozenset[str]:
+        """The one shared set equal to ``tenants`` (sharing saves memory only: equal sets
+        are alike whichever object they are, so the table may start over at any time)."""
+        found = self._tenant_sets.get(tenants)
+        if found is None:
+            if len(self._tenant_sets) >= _SHARED_TENANT_SETS:
+                self._tenant_sets.clear()
+            found = self._tenant_sets[tenants] = tenants
+        return found
 
     def insert(self, text: str, tenant: str, now: float) -> None:
         """Record that ``text`` was sent to ``tenant`` at time ``now``."""
@@ -79,20 +118,24 @@ class ApproximatePrefixTree:
     def insert_walked(self, walk: Walk, tenant: str, now: float) -> None:
         """``insert(walk.text, ...)`` along a walk taken since the tree last changed."""
         text = walk.text
-        node, pos = self._root, 0
+        node = self._root
         node.last_access = now
-        for depth, child in walk.path:
-            common = depth - pos
-            if common < len(child.label):
-                child = self._split(child, common)
-            child.tenants.add(tenant)
-            child.last_access = now
-            node, pos = child, depth
+        for node in walk.path:
+            if tenant not in node.tenants:
+                node.tenants = self._shared(node.tenants | {tenant})
+            node.last_access = now
+        pos = node.depth
+        partial = walk.partial
+        if partial is not None:
+            node = self._split(partial, walk.matched_chars - pos)
+            if tenant not in node.tenants:
+                node.tenants = self._shared(node.tenants | {tenant})
+            node.last_access = now
+            pos = node.depth
         if pos < len(text):
-            leaf = _Node(text[pos:], node, now)
-            node.children[text[pos]] = leaf
-            self.size_chars += len(leaf.label)
-            leaf.tenants.add(tenant)
+            alone = self._shared(frozenset((tenant,)))
+            node.children[text[pos]] = _Node(text[pos:], node, len(text), now, alone)
+            self.size_chars += len(text) - pos
 
     def match(self, text: str) -> dict[str, int]:
         """Characters of ``text``'s longest cached prefix, per tenant that holds one.
@@ -103,21 +146,18 @@ class ApproximatePrefixTree:
 
     def walk(self, text: str) -> Walk:
         """The path of ``text``'s longest cached prefix (read-only, as ``match``)."""
-        path: list[tuple[int, _Node]] = []
+        path: list[_Node] = []
         node, pos, end = self._root, 0, len(text)
         while pos < end:
             child = node.children.get(text[pos])
             if child is None:
                 break
             label = child.label
-            if text.startswith(label, pos):  # the whole label: the usual step
-                pos += len(label)
-                path.append((pos, child))
-                node = child
-                continue
-            path.append((pos + _common_prefix_length(label, text, pos), child))
-            break
-        return Walk(text, path)
+            if not text.startswith(label, pos):  # the last node, matched in part
+                return Walk(text, path, child, pos + _common_prefix_length(label, text, pos))
+            path.append(child)
+            node, pos = child, child.depth
+        return Walk(text, path, None, pos)
 
     def evict_to(self, max_chars: int) -> int:
         """Drop least-recently-used leaves until the tree holds at most ``max_chars``.
@@ -163,7 +203,7 @@ class ApproximatePrefixTree:
                 break
             if any(tenant in c.tenants for c in on_path.children.values()):
                 break
-            on_path.tenants.discard(tenant)
+            on_path.tenants = self._shared(on_path.tenants - {tenant})
             if not on_path.tenants:
                 self._detach(on_path)
 
@@ -173,7 +213,7 @@ class ApproximatePrefixTree:
         while stack:
             node = stack.pop()
             for child in list(node.children.values()):
-                child.tenants.discard(tenant)
+                child.tenants = self._shared(child.tenants - {tenant})
                 if child.tenants:
                     stack.append(child)
                 else:
@@ -183,12 +223,12 @@ class ApproximatePrefixTree:
         """Cut ``child``'s label at ``at``; the new upper node inherits its tags."""
         parent = child.parent
         assert parent is not None
-        upper = _Node(child.label[:at], parent, child.last_access)
-        upper.tenants = set(child.tenants)
-        parent.children[upper.label[0]] = upper
-        child.label = child.label[at:]
+        label = child.label
+        upper = _Node(label[:at], parent, parent.depth + at, child.last_access, child.tenants)
+        parent.children[label[0]] = upper
+        child.label = label[at:]
         child.parent = upper
-        upper.children[child.label[0]] = child
+        upper.children[label[at]] = child
         return upper
 
     def _detach(self, node: _Node) -> int:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from kvserve.core.routing.approximate_tree import ApproximatePrefixTree
 from kvserve.core.routing.tie_breaking import Rotation, least_loaded
@@ -44,16 +45,16 @@ class CacheAwareConfig:
             raise ValueError("eviction interval and max tree size must be positive")
 
 
-@dataclass(frozen=True, slots=True)
-class CacheAwareChoice:
+class CacheAwareChoice(NamedTuple):
+    """A tuple, not a frozen dataclass: it is made on every request, and a frozen
+    dataclass's ``__init__`` sets each field through ``object.__setattr__``."""
+
     worker: WorkerLoad
     reason: str  # "load_imbalance" | "cache_hit" | "cache_miss"
     matched_fraction: float  # of the prompt, on the chosen worker
 
 
-def is_imbalanced(workers: Sequence[WorkerLoad], config: CacheAwareConfig) -> bool:
-    loads = [w.in_flight_requests for w in workers]
-    most, least = max(loads), min(loads)
+def _imbalanced(most: int, least: int, config: CacheAwareConfig) -> bool:
     return (
         most - least > config.balance_abs_threshold and most > config.balance_rel_threshold * least
     )
@@ -66,21 +67,32 @@ def select_worker(
     config: CacheAwareConfig,
     rotation: Rotation,
 ) -> CacheAwareChoice:
-    """Apply the rule to ``workers`` (non-empty) given each one's matched prefix length."""
+    """Apply the rule to ``workers`` (non-empty) given each one's matched prefix length.
 
-    def fraction(worker: WorkerLoad) -> float:
-        return matched_chars.get(worker.worker_id, 0) / prompt_chars if prompt_chars else 0.0
-
-    if is_imbalanced(workers, config):
-        chosen = least_loaded(workers, rotation)
-        return CacheAwareChoice(chosen, "load_imbalance", fraction(chosen))
-    deepest = max(matched_chars.get(w.worker_id, 0) for w in workers)
-    if prompt_chars and deepest / prompt_chars > config.cache_threshold:
-        holders = [w for w in workers if matched_chars.get(w.worker_id, 0) == deepest]
-        chosen = least_loaded(holders, rotation)
-        return CacheAwareChoice(chosen, "cache_hit", fraction(chosen))
-    chosen = least_loaded(workers, rotation)
-    return CacheAwareChoice(chosen, "cache_miss", fraction(chosen))
+    Written for the request path: one plain loop reads the loads and the deepest match
+    (for a handful of workers, comprehensions, generators and a closure cost more than
+    the rule itself)."""
+    get = matched_chars.get
+    most = least = workers[0].in_flight_requests
+    deepest = 0
+    for worker in workers:
+        requests = worker.in_flight_requests
+        if requests > most:
+            most = requests
+        elif requests < least:
+            least = requests
+        depth = get(worker.worker_id, 0)
+        if depth > deepest:
+            deepest = depth
+    if _imbalanced(most, least, config):
+        chosen, reason = least_loaded(workers, rotation), "load_imbalance"
+    elif prompt_chars and deepest / prompt_chars > config.cache_threshold:
+        holders = [w for w in workers if get(w.worker_id, 0) == deepest]
+        chosen, reason = least_loaded(holders, rotation), "cache_hit"
+    else:
+        chosen, reason = least_loaded(workers, rotation), "cache_miss"
+    matched = get(chosen.worker_id, 0) / prompt_chars if prompt_chars else 0.0
+    return CacheAwareChoice(chosen, reason, matched)
 
 
 class CacheAwareIndex:
@@ -111,11 +123,15 @@ class CacheAwareIndex:
             tree.remove_tenant(worker_id)
 
     def maybe_trim(self, now: float) -> int:
-        """Trim when the interval has passed or the hard ceiling is hit; chars evicted."""
+        """Trim when the interval has passed or the hard ceiling is hit; chars evicted.
+
+        Called on every request: the sizes are summed in a plain loop (a generator over
+        the trees' sizes cost more than the rest of the check)."""
         budget = self._config.max_tree_size
-        total = self.size_chars
-        interval_due = now - self._last_trim >= self._config.eviction_interval_s
-        if not interval_due and total < 2 * budget:
+        total = 0
+        for tree in self._trees.values():
+            total += tree.size_chars
+        if total < 2 * budget and now - self._last_trim < self._config.eviction_interval_s:
             return 0
         self._last_trim = now
         if total <= budget:

@@ -6,7 +6,7 @@ from collections.abc import Sequence
 
 import xxhash
 
-from kvserve.core.routing.types import WorkerLoad
+from kvserve.core.routing.types import WorkerLoad, sort_key_of
 
 
 class Rotation:
@@ -26,9 +26,17 @@ class Rotation:
 
 
 def least_loaded(workers: Sequence[WorkerLoad], rotation: Rotation) -> WorkerLoad:
-    """The least-loaded worker; ties rotate."""
-    lightest = min(w.sort_key for w in workers)
-    return rotation.pick([w for w in workers if w.sort_key == lightest])
+    """The least-loaded worker (by ``WorkerLoad.sort_key``); ties rotate. One plain loop:
+    it runs on every request, where generators cost more than the comparisons."""
+    lightest: tuple[int, int] | None = None
+    tied: list[WorkerLoad] = []
+    for worker in workers:
+        key = sort_key_of(worker)
+        if lightest is None or key < lightest:
+            lightest, tied = key, [worker]
+        elif key == lightest:
+            tied.append(worker)
+    return rotation.pick(tied)
 
 
 class PoolRotations(dict[str, Rotation]):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from operator import attrgetter
 from typing import Any
 
 # Takes back what a policy recorded when it made a decision (given the time now).
@@ -45,6 +46,11 @@ class WorkerLoad:
     def sort_key(self) -> tuple[int, int]:
         """Fewer requests first; among equals, less prefill work queued."""
         return (self.in_flight_requests, self.in_flight_prefill_tokens)
+
+
+# ``WorkerLoad.sort_key`` as a C-level getter, for loops over every worker on the request
+# path: the property is one Python call per worker.
+sort_key_of = attrgetter("in_flight_requests", "in_flight_prefill_tokens")
 
 
 @dataclass(frozen=True, slots=True)
