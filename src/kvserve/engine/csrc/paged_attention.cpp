@@ -22,6 +22,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -666,6 +667,20 @@ std::vector<SharedPrefix> shared_prefixes(const int64_t* seq, int64_t num_sequen
   return prefixes;
 }
 
+// Work items taken one at a time from a shared counter by each of ATen's threads (per
+// thread buffers reused by all of its items). Their costs differ: a causal prefill's later
+// tiles see more keys, so contiguous shares (as at::parallel_for splits a range) of one
+// 1,088-token prompt's items leave one of two threads about three times the other's work.
+template <typename Body>
+void for_each_item(int64_t count, const Body& body) {
+  std::atomic<int64_t> next{0};
+  const int64_t workers = std::min<int64_t>(at::get_num_threads(), count);
+  at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
+    Buffers buffers;
+    for (int64_t item = next++; item < count; item = next++) body(item, buffers);
+  });
+}
+
 // q: [T, heads, head_dim] (token and head strides free, dims contiguous);
 // pool: [blocks, block_size, 2 * kv_heads, head_dim] contiguous, K heads then V heads;
 // tables: [N, width] int64; sequences: [N, 3] int64 rows (start_pos, num_new, first token
@@ -726,46 +741,40 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& pool, const at
     scalar_t* out_data = out.data_ptr<scalar_t>();
     const int64_t* table_data = tables.data_ptr<int64_t>();
     if (num_prefix_items > 0) {
-      at::parallel_for(0, num_prefix_items, 1, [&](int64_t begin, int64_t end) {
-        Buffers buffers;
-        for (int64_t item = begin; item < end; ++item) {
-          const auto [p, first_token] = prefix_tiles[item / kv_heads];
-          const SharedPrefix& prefix = prefixes[p];
-          const int64_t count = std::min<int64_t>(
-              prefix_tile, static_cast<int64_t>(prefix.tokens.size()) - first_token);
-          attend_shared_prefix<scalar_t>(
-              prefix.tokens.data() + first_token, count, prefix.blocks, q_data, q.stride(0),
-              q.stride(1), pool_data, block_size, pool.stride(1), kv_heads, head_dim,
-              table_data + prefix.members[0] * width, group, item % kv_heads,
-              static_cast<float>(scale), states.data(), buffers);
-        }
+      for_each_item(num_prefix_items, [&](int64_t item, Buffers& buffers) {
+        const auto [p, first_token] = prefix_tiles[item / kv_heads];
+        const SharedPrefix& prefix = prefixes[p];
+        const int64_t count = std::min<int64_t>(
+            prefix_tile, static_cast<int64_t>(prefix.tokens.size()) - first_token);
+        attend_shared_prefix<scalar_t>(
+            prefix.tokens.data() + first_token, count, prefix.blocks, q_data, q.stride(0),
+            q.stride(1), pool_data, block_size, pool.stride(1), kv_heads, head_dim,
+            table_data + prefix.members[0] * width, group, item % kv_heads,
+            static_cast<float>(scale), states.data(), buffers);
       });
     }
-    at::parallel_for(0, num_items, 1, [&](int64_t begin, int64_t end) {
-      Buffers buffers;  // per thread: reused by all of its work items
-      for (int64_t item = begin; item < end; ++item) {
-        const int64_t n = item_sequence[item], tile = item_tile[item], kv_head = item_kv_head[item];
-        const int64_t start = seq[n * 3], num_new = seq[n * 3 + 1], first = seq[n * 3 + 2];
-        const int64_t count = std::min(kQueryTile, num_new - tile);
-        const float* prefix_state =
-            prefix_blocks[n] > 0 ? states.data() + (first + tile) * token_state : nullptr;
-        if (kv_head < 0) {
-          const auto decode = head_dim == 64    ? attend_decode<scalar_t, 64>
-                              : head_dim == 128 ? attend_decode<scalar_t, 128>
-                                                : attend_decode<scalar_t, 0>;
-          decode(q_data + first * q.stride(0), q.stride(1), pool_data, block_size,
-                 pool.stride(1), kv_heads, head_dim, table_data + n * width, start, group,
-                 window, static_cast<float>(scale), out_data + first * heads * head_dim,
-                 prefix_state, prefix_blocks[n], buffers);
-          continue;
-        }
-        attend_tile<scalar_t>(q_data + (first + tile) * q.stride(0), q.stride(0), q.stride(1),
-                              pool_data, block_size, pool.stride(1), kv_heads, head_dim,
-                              table_data + n * width, start + tile, count, group, kv_head,
-                              window, static_cast<float>(scale),
-                              out_data + (first + tile) * heads * head_dim, heads * head_dim,
-                              prefix_state, prefix_blocks[n], buffers);
+    for_each_item(num_items, [&](int64_t item, Buffers& buffers) {
+      const int64_t n = item_sequence[item], tile = item_tile[item], kv_head = item_kv_head[item];
+      const int64_t start = seq[n * 3], num_new = seq[n * 3 + 1], first = seq[n * 3 + 2];
+      const int64_t count = std::min(kQueryTile, num_new - tile);
+      const float* prefix_state =
+          prefix_blocks[n] > 0 ? states.data() + (first + tile) * token_state : nullptr;
+      if (kv_head < 0) {
+        const auto decode = head_dim == 64    ? attend_decode<scalar_t, 64>
+                            : head_dim == 128 ? attend_decode<scalar_t, 128>
+                                              : attend_decode<scalar_t, 0>;
+        decode(q_data + first * q.stride(0), q.stride(1), pool_data, block_size,
+               pool.stride(1), kv_heads, head_dim, table_data + n * width, start, group,
+               window, static_cast<float>(scale), out_data + first * heads * head_dim,
+               prefix_state, prefix_blocks[n], buffers);
+        return;
       }
+      attend_tile<scalar_t>(q_data + (first + tile) * q.stride(0), q.stride(0), q.stride(1),
+                            pool_data, block_size, pool.stride(1), kv_heads, head_dim,
+                            table_data + n * width, start + tile, count, group, kv_head,
+                            window, static_cast<float>(scale),
+                            out_data + (first + tile) * heads * head_dim, heads * head_dim,
+                            prefix_state, prefix_blocks[n], buffers);
     });
   });
   return out;
