@@ -5,8 +5,8 @@ It is compiled with the machine's compiler through torch's extension mechanism, 
 machine's own CPU (``-march=native``), into a cache folder keyed by the source, the torch
 version and the CPU, so a process after the first loads it in well under a second and a
 folder copied to another CPU is never loaded there. Where no compiler is found the
-engine keeps its pure-torch attention (gather + SDPA), which also serves CUDA tensors:
-this kernel is CPU-only and is only chosen for CPU pools.
+engine keeps its pure-torch attention (gather + SDPA) and torch's norm and RoPE ops, which
+also serve CUDA tensors: these kernels are CPU-only and are only chosen for CPU devices.
 """
 
 from __future__ import annotations
