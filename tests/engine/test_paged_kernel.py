@@ -176,3 +176,38 @@ def test_kernel_prefill_cascade(dtype, heads, kv_heads, block_size, seed):
     tolerance = 1e-5 if dtype == torch.float32 else 1.6e-2
     torch.testing.assert_close(ours.double(), expected, atol=tolerance, rtol=tolerance)
     torch.testing.assert_close(ours.double(), plain.double(), atol=tolerance, rtol=tolerance)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kernel_gives_the_same_output_on_two_threads(dtype):
+    """Work items are taken from a shared counter by whichever thread is free: every item
+    is still computed whole by one thread, so two threads give one thread's output exactly
+    (a long causal prompt, shared-prefix chunks and decodes, a lone decode)."""
+    assert paged_kernel.load(), "the paged kernel did not build (see test_kernel_builds)"
+    rng = random.Random(5)
+    heads, kv_heads, head_dim, block_size, num_blocks = 8, 4, 32, 16, 200
+    pool = torch.randn(num_blocks, block_size, 2 * kv_heads, head_dim).to(dtype)
+    free = rng.sample(range(num_blocks), num_blocks)
+    prefix = [free.pop() for _ in range(6)]
+    shapes = [(0, 300, 0), (6 * block_size, 40, 6), (6 * block_size, 1, 6), (6 * block_size, 9, 6)]
+    shapes += [(37, 1, 0)]
+    width = max(-(-(s + n) // block_size) for s, n, _ in shapes)
+    tables, rows, first = [], [], 0
+    for start, num_new, shared in shapes:
+        used = -(-(start + num_new) // block_size)
+        table = prefix[:shared] + [free.pop() for _ in range(used - shared)]
+        tables.append(table + [0] * (width - used))
+        rows.append((start, num_new, first))
+        first += num_new
+    tables_t, sequences = torch.tensor(tables), torch.tensor(rows)
+    q, scale = torch.randn(first, heads, head_dim).to(dtype), head_dim**-0.5
+    outputs = []
+    for threads in (1, 2):
+        torch.set_num_threads(threads)
+        try:
+            outputs.append(
+                torch.ops.kvserve_kernels.paged_attention(q, pool, tables_t, sequences, 0, scale)
+            )
+        finally:
+            torch.set_num_threads(1)  # the engine tests' setting (tests/engine/conftest.py)
+    assert torch.equal(outputs[0], outputs[1])

@@ -1,11 +1,12 @@
-"""The C++ paged-attention kernel (``csrc/paged_attention.cpp``), built on first use.
+"""The C++ kernels, built on first use: paged attention (``csrc/paged_attention.cpp``) and
+the decoder layer's fused RMSNorm and Q/K norm + RoPE (``csrc/norm_rope.cpp``).
 
 It is compiled with the machine's compiler through torch's extension mechanism, for the
 machine's own CPU (``-march=native``), into a cache folder keyed by the source, the torch
 version and the CPU, so a process after the first loads it in well under a second and a
 folder copied to another CPU is never loaded there. Where no compiler is found the
-engine keeps its pure-torch attention (gather + SDPA), which also serves CUDA tensors:
-this kernel is CPU-only and is only chosen for CPU pools.
+engine keeps its pure-torch attention (gather + SDPA) and torch's norm and RoPE ops, which
+also serve CUDA tensors: these kernels are CPU-only and are only chosen for CPU devices.
 """
 
 from __future__ import annotations
@@ -22,13 +23,15 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-_SOURCE = Path(__file__).parent / "csrc" / "paged_attention.cpp"
+_SOURCES = tuple(
+    Path(__file__).parent / "csrc" / name for name in ("paged_attention.cpp", "norm_rope.cpp")
+)
 # The compiler flags are part of the cache key (through the hash below). ``-fopenmp`` makes
 # ``at::parallel_for`` (header code, compiled here) run on torch's OpenMP threads: without
 # it the kernel ran on one thread whatever ``--threads`` said (on 2 threads its share of a
 # shared-prefix round took 617 ms against 612 ms on one, while the linears halved).
 _CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp"]
-# Set to 0 to force the pure-torch attention (e.g. to compare the two).
+# Set to 0 to force the pure-torch paths (e.g. to compare the two).
 ENV_SWITCH = "KVSERVE_PAGED_KERNEL"
 
 
@@ -45,7 +48,12 @@ def _cpu_signature() -> str:
 def build_directory() -> Path:
     key = hashlib.sha256(
         "\0".join(
-            [_SOURCE.read_text(), torch.__version__, " ".join(_CFLAGS), _cpu_signature()]
+            [
+                *(source.read_text() for source in _SOURCES),
+                torch.__version__,
+                " ".join(_CFLAGS),
+                _cpu_signature(),
+            ]
         ).encode()
     ).hexdigest()[:16]
     root = os.environ.get("KVSERVE_KERNEL_CACHE") or Path.home() / ".cache" / "kvserve"
@@ -66,7 +74,7 @@ def load() -> bool:
     try:
         cpp_extension.load(
             name="kvserve_kernels",
-            sources=[str(_SOURCE)],
+            sources=[str(source) for source in _SOURCES],
             extra_cflags=_CFLAGS,
             build_directory=str(directory),
             is_python_module=False,

@@ -22,12 +22,18 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <map>
+#include <type_traits>
 #include <utility>
 #include <vector>
+
+#if defined(__AVX512BF16__)
+#include <immintrin.h>
+#endif
 
 namespace {
 
@@ -122,6 +128,87 @@ void gemm_nn(int64_t rows, int64_t cols, int64_t inner, const float* a, int64_t 
 }
 #endif
 
+#if defined(__AVX512BF16__)
+// bf16 storage on CPUs with AVX512-BF16: both products of the GEMM path take bf16 operands
+// in pairs (two neighbours along the inner dimension in one 32-bit word) into float32
+// accumulators, one vdpbf16ps doing the work of two float FMAs, and the key and value tiles
+// are copied as bf16 (half the bytes of the float tiles, no conversion). Scores are the exact
+// products of the stored values, summed in float32; the softmax weights are rounded to bf16
+// for the P V product, as torch's own CPU attention does in bf16.
+
+// float32 to bf16 bits, rounding to nearest even (finite values: the build assumes no NaNs).
+inline uint16_t bf16_bits(float x) {
+  uint32_t bits;
+  std::memcpy(&bits, &x, sizeof bits);
+  return static_cast<uint16_t>((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);
+}
+
+// c[R][16 V] (+)= a[R][pairs] . b[pairs][16 V], all in registers.
+template <int R, int V>
+inline void gemm_block_bf16(int64_t pairs, const uint32_t* a, int64_t lda, const uint32_t* b,
+                            int64_t ldb, float* c, int64_t ldc, bool accumulate) {
+  __m512 acc[R][V];
+  for (int i = 0; i < R; ++i)
+    for (int v = 0; v < V; ++v)
+      acc[i][v] = accumulate ? _mm512_loadu_ps(c + i * ldc + 16 * v) : _mm512_setzero_ps();
+  for (int64_t p = 0; p < pairs; ++p) {
+    __m512bh bv[V];
+    for (int v = 0; v < V; ++v) bv[v] = (__m512bh)_mm512_loadu_si512(b + p * ldb + 16 * v);
+    for (int i = 0; i < R; ++i) {
+      const __m512bh ai = (__m512bh)_mm512_set1_epi32(static_cast<int>(a[i * lda + p]));
+      for (int v = 0; v < V; ++v) acc[i][v] = _mm512_dpbf16_ps(acc[i][v], ai, bv[v]);
+    }
+  }
+  for (int i = 0; i < R; ++i)
+    for (int v = 0; v < V; ++v) _mm512_storeu_ps(c + i * ldc + 16 * v, acc[i][v]);
+}
+
+template <int V>
+void gemm_columns_bf16(int64_t rows, int64_t pairs, const uint32_t* a, int64_t lda,
+                       const uint32_t* b, int64_t ldb, float* c, int64_t ldc, bool accumulate) {
+  int64_t i = 0;
+  for (; i + kBlockRows <= rows; i += kBlockRows)
+    gemm_block_bf16<kBlockRows, V>(pairs, a + i * lda, lda, b, ldb, c + i * ldc, ldc, accumulate);
+  for (; i < rows; ++i)
+    gemm_block_bf16<1, V>(pairs, a + i * lda, lda, b, ldb, c + i * ldc, ldc, accumulate);
+}
+
+// The two bf16 values of a pair as floats (bf16 is a float's top half).
+inline float low_half(uint32_t pair) {
+  const uint32_t bits = pair << 16;
+  float value;
+  std::memcpy(&value, &bits, sizeof value);
+  return value;
+}
+inline float high_half(uint32_t pair) {
+  const uint32_t bits = pair & 0xFFFF0000u;
+  float value;
+  std::memcpy(&value, &bits, sizeof value);
+  return value;
+}
+
+// Row-major c[rows][cols] (+)= a[rows][2 pairs] . b[2 pairs][cols]: a's rows as words of
+// two neighbours (lda in words), b as [pairs][cols] words of (row 2p, row 2p + 1).
+void gemm_nn_bf16(int64_t rows, int64_t cols, int64_t pairs, const uint32_t* a, int64_t lda,
+                  const uint32_t* b, int64_t ldb, float* c, int64_t ldc, bool accumulate) {
+  int64_t j = 0;
+  for (; j + 16 * kBlockVectors <= cols; j += 16 * kBlockVectors)
+    gemm_columns_bf16<kBlockVectors>(rows, pairs, a, lda, b + j, ldb, c + j, ldc, accumulate);
+  for (; j + 16 <= cols; j += 16)
+    gemm_columns_bf16<1>(rows, pairs, a, lda, b + j, ldb, c + j, ldc, accumulate);
+  for (; j < cols; ++j) {
+    for (int64_t i = 0; i < rows; ++i) {
+      float sum = accumulate ? c[i * ldc + j] : 0.0f;
+      for (int64_t p = 0; p < pairs; ++p) {
+        const uint32_t x = a[i * lda + p], y = b[p * ldb + j];
+        sum += low_half(x) * low_half(y) + high_half(x) * high_half(y);
+      }
+      c[i * ldc + j] = sum;
+    }
+  }
+}
+#endif
+
 // Few rows (a short run of new tokens, its groups of query heads): GEMM calls and the tile copy
 // cost more than they save, so scores and outputs are computed straight from the pool's
 // slots, one block at a time, each key and value read once for all rows.
@@ -181,17 +268,122 @@ void attend_rows_direct(const float* query, int64_t rows, int64_t group,
 
 struct Buffers {
   std::vector<float> query, acc, row_max, row_sum, keys, values, scores;
+  // The bf16 GEMM path's operands, as words of two bf16 values.
+  std::vector<uint32_t> query_pairs, key_pairs, value_pairs, score_pairs;
 };
+
+// One chunk's scores [rows][keys] (keys from key_start) turned into softmax weights in place
+// (0 where a row may not look), folding the chunk into each row's running max, sum and
+// rescaled output accumulator.
+template <typename Visible>
+void online_softmax_chunk(int64_t rows, int64_t keys, int64_t key_start, int64_t head_dim,
+                          const Visible& visible, float* scores, Buffers& buf) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const auto [low, high] = visible(r, key_start, keys);
+    float* s = scores + r * keys;
+    if (low >= high) {  // nothing visible: contributes nothing to the P V product
+      std::fill(s, s + keys, 0.0f);
+      continue;
+    }
+    float chunk_max = kMasked;
+    for (int64_t j = low; j < high; ++j) chunk_max = std::max(chunk_max, s[j]);
+    const float new_max = std::max(buf.row_max[r], chunk_max);
+    const float correction = std::exp(buf.row_max[r] - new_max);
+    float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t j = 0; j < keys; ++j) {
+      const float p = (j >= low && j < high) ? std::exp(s[j] - new_max) : 0.0f;
+      s[j] = p;
+      sum += p;
+    }
+    buf.row_sum[r] = buf.row_sum[r] * correction + sum;
+    buf.row_max[r] = new_max;
+    float* a = buf.acc.data() + r * head_dim;
+#pragma omp simd
+    for (int64_t d = 0; d < head_dim; ++d) a[d] *= correction;
+  }
+}
+
+#if defined(__AVX512BF16__)
+// attend_rows_gemm on bf16 pairs (head_dim and block_size even). buf.query holds the query
+// times `scale`; dividing it out gives back the stored bf16 values exactly (float32's
+// rounding error is far below half a bf16 step), and the scores are scaled instead.
+template <typename Visible>
+void attend_rows_gemm_bf16(int64_t rows, const c10::BFloat16* pool, int64_t block_size,
+                           int64_t slot_stride, int64_t kv_heads, int64_t head_dim,
+                           const int64_t* table, int64_t first_block, int64_t end_block,
+                           int64_t kv_head, const Visible& visible, float scale, Buffers& buf) {
+  const int64_t chunk_blocks = std::max<int64_t>(1, kKeyChunk / block_size);
+  const int64_t chunk_keys = chunk_blocks * block_size, pairs = head_dim / 2;
+  buf.query_pairs.resize(rows * pairs);
+  buf.key_pairs.resize(pairs * chunk_keys);
+  buf.value_pairs.resize(chunk_keys / 2 * head_dim);
+  buf.score_pairs.resize(rows * chunk_keys / 2);
+  uint16_t* query16 = reinterpret_cast<uint16_t*>(buf.query_pairs.data());
+  const float inverse_scale = 1.0f / scale;
+  for (int64_t i = 0; i < rows * head_dim; ++i) query16[i] = bf16_bits(buf.query[i] * inverse_scale);
+  const uint16_t* pool16 = reinterpret_cast<const uint16_t*>(pool);
+  std::vector<const uint16_t*> key_rows(chunk_keys), value_rows(chunk_keys);
+  for (int64_t chunk = first_block; chunk < end_block; chunk += chunk_blocks) {
+    const int64_t blocks = std::min(chunk_blocks, end_block - chunk);
+    const int64_t keys = blocks * block_size, key_start = chunk * block_size;
+    for (int64_t b = 0; b < blocks; ++b) {
+      const uint16_t* slots = pool16 + table[chunk + b] * block_size * slot_stride;
+      for (int64_t j = 0; j < block_size; ++j) {
+        key_rows[b * block_size + j] = slots + j * slot_stride + kv_head * head_dim;
+        value_rows[b * block_size + j] = slots + j * slot_stride + (kv_heads + kv_head) * head_dim;
+      }
+    }
+    // Values as [keys / 2][head_dim] words of (key 2j's value, key 2j + 1's).
+    for (int64_t j = 0; j < keys / 2; ++j) {
+      const uint16_t* even = value_rows[2 * j];
+      const uint16_t* odd = value_rows[2 * j + 1];
+      uint32_t* vd = buf.value_pairs.data() + j * head_dim;
+#pragma omp simd
+      for (int64_t d = 0; d < head_dim; ++d)
+        vd[d] = static_cast<uint32_t>(even[d]) | (static_cast<uint32_t>(odd[d]) << 16);
+    }
+    // Keys transposed as [pairs][keys] words, 16 keys at a time (as the float tile).
+    for (int64_t first = 0; first < keys; first += 16) {
+      const int64_t group = std::min<int64_t>(16, keys - first);
+      for (int64_t p = 0; p < pairs; ++p) {
+        uint32_t* kd = buf.key_pairs.data() + p * keys + first;
+        for (int64_t j = 0; j < group; ++j) std::memcpy(kd + j, key_rows[first + j] + 2 * p, 4);
+      }
+    }
+    float* scores = buf.scores.data();
+    gemm_nn_bf16(rows, keys, pairs, buf.query_pairs.data(), pairs, buf.key_pairs.data(), keys,
+                 scores, keys, false);
+#pragma omp simd
+    for (int64_t i = 0; i < rows * keys; ++i) scores[i] *= scale;
+    online_softmax_chunk(rows, keys, key_start, head_dim, visible, scores, buf);
+    uint16_t* weights16 = reinterpret_cast<uint16_t*>(buf.score_pairs.data());
+#pragma omp simd
+    for (int64_t i = 0; i < rows * keys; ++i) weights16[i] = bf16_bits(scores[i]);
+    gemm_nn_bf16(rows, head_dim, keys / 2, buf.score_pairs.data(), keys / 2,
+                 buf.value_pairs.data(), head_dim, buf.acc.data(), head_dim, true);
+  }
+}
+#endif
 
 // Many rows (prefill tiles, shared prefixes): keys a chunk of whole blocks at a time into a
 // float tile that stays in cache, both products as GEMMs on it. Blocks [first_block,
 // end_block) of `table`; visible(r, key_start, keys) gives the chunk's keys [low, high)
-// that row r may see.
+// that row r may see. buf.query holds the rows' queries times `scale`.
 template <typename scalar_t, typename Visible>
 void attend_rows_gemm(int64_t rows, const scalar_t* pool, int64_t block_size,
                       int64_t slot_stride, int64_t kv_heads, int64_t head_dim,
                       const int64_t* table, int64_t first_block, int64_t end_block,
-                      int64_t kv_head, const Visible& visible, Buffers& buf) {
+                      int64_t kv_head, const Visible& visible, float scale, Buffers& buf) {
+#if defined(__AVX512BF16__)
+  if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
+    if (head_dim % 2 == 0 && block_size % 2 == 0) {
+      attend_rows_gemm_bf16(rows, pool, block_size, slot_stride, kv_heads, head_dim, table,
+                            first_block, end_block, kv_head, visible, scale, buf);
+      return;
+    }
+  }
+#endif
   const int64_t chunk_blocks = std::max<int64_t>(1, kKeyChunk / block_size);
   buf.keys.resize(chunk_blocks * block_size * head_dim);
   buf.values.resize(chunk_blocks * block_size * head_dim);
@@ -221,30 +413,7 @@ void attend_rows_gemm(int64_t rows, const scalar_t* pool, int64_t block_size,
     float* scores = buf.scores.data();
     gemm_nn(rows, keys, head_dim, buf.query.data(), head_dim, buf.keys.data(), keys, scores, keys,
             false);
-    for (int64_t r = 0; r < rows; ++r) {
-      const auto [low, high] = visible(r, key_start, keys);
-      float* s = scores + r * keys;
-      if (low >= high) {  // nothing visible: contributes nothing to the P V product
-        std::fill(s, s + keys, 0.0f);
-        continue;
-      }
-      float chunk_max = kMasked;
-      for (int64_t j = low; j < high; ++j) chunk_max = std::max(chunk_max, s[j]);
-      const float new_max = std::max(buf.row_max[r], chunk_max);
-      const float correction = std::exp(buf.row_max[r] - new_max);
-      float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-      for (int64_t j = 0; j < keys; ++j) {
-        const float p = (j >= low && j < high) ? std::exp(s[j] - new_max) : 0.0f;
-        s[j] = p;
-        sum += p;
-      }
-      buf.row_sum[r] = buf.row_sum[r] * correction + sum;
-      buf.row_max[r] = new_max;
-      float* a = buf.acc.data() + r * head_dim;
-#pragma omp simd
-      for (int64_t d = 0; d < head_dim; ++d) a[d] *= correction;
-    }
+    online_softmax_chunk(rows, keys, key_start, head_dim, visible, scores, buf);
     gemm_nn(rows, head_dim, keys, scores, keys, buf.values.data(), head_dim, buf.acc.data(),
             head_dim, true);
   }
@@ -287,7 +456,7 @@ void attend_shared_prefix(const int64_t* tokens, int64_t num_tokens, int64_t blo
     return std::pair<int64_t, int64_t>(0, keys);
   };
   attend_rows_gemm<scalar_t>(rows, pool, block_size, slot_stride, kv_heads, head_dim, table, 0,
-                             blocks, kv_head, all_visible, buf);
+                             blocks, kv_head, all_visible, scale, buf);
   const int64_t heads = kv_heads * group, state_size = head_dim + kStateExtra;
   for (int64_t r = 0; r < rows; ++r) {
     const int64_t head = kv_head * group + r % group;
@@ -448,7 +617,7 @@ void attend_tile(const scalar_t* q, int64_t q_token_stride, int64_t q_head_strid
         window > 0 ? std::max<int64_t>(0, first_position - window + 1) : 0;
     attend_rows_gemm<scalar_t>(rows, pool, block_size, slot_stride, kv_heads, head_dim, table,
                                std::max(state_blocks, lowest_key / block_size),
-                               last_position / block_size + 1, kv_head, visible, buf);
+                               last_position / block_size + 1, kv_head, visible, scale, buf);
   }
   for (int64_t r = 0; r < rows; ++r) {
     const float inverse = 1.0f / buf.row_sum[r];
@@ -496,6 +665,20 @@ std::vector<SharedPrefix> shared_prefixes(const int64_t* seq, int64_t num_sequen
     prefixes.push_back({std::move(members), blocks, std::move(tokens)});
   }
   return prefixes;
+}
+
+// Work items taken one at a time from a shared counter by each of ATen's threads (per
+// thread buffers reused by all of its items). Their costs differ: a causal prefill's later
+// tiles see more keys, so contiguous shares (as at::parallel_for splits a range) of one
+// 1,088-token prompt's items leave one of two threads about three times the other's work.
+template <typename Body>
+void for_each_item(int64_t count, const Body& body) {
+  std::atomic<int64_t> next{0};
+  const int64_t workers = std::min<int64_t>(at::get_num_threads(), count);
+  at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
+    Buffers buffers;
+    for (int64_t item = next++; item < count; item = next++) body(item, buffers);
+  });
 }
 
 // q: [T, heads, head_dim] (token and head strides free, dims contiguous);
@@ -558,46 +741,40 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& pool, const at
     scalar_t* out_data = out.data_ptr<scalar_t>();
     const int64_t* table_data = tables.data_ptr<int64_t>();
     if (num_prefix_items > 0) {
-      at::parallel_for(0, num_prefix_items, 1, [&](int64_t begin, int64_t end) {
-        Buffers buffers;
-        for (int64_t item = begin; item < end; ++item) {
-          const auto [p, first_token] = prefix_tiles[item / kv_heads];
-          const SharedPrefix& prefix = prefixes[p];
-          const int64_t count = std::min<int64_t>(
-              prefix_tile, static_cast<int64_t>(prefix.tokens.size()) - first_token);
-          attend_shared_prefix<scalar_t>(
-              prefix.tokens.data() + first_token, count, prefix.blocks, q_data, q.stride(0),
-              q.stride(1), pool_data, block_size, pool.stride(1), kv_heads, head_dim,
-              table_data + prefix.members[0] * width, group, item % kv_heads,
-              static_cast<float>(scale), states.data(), buffers);
-        }
+      for_each_item(num_prefix_items, [&](int64_t item, Buffers& buffers) {
+        const auto [p, first_token] = prefix_tiles[item / kv_heads];
+        const SharedPrefix& prefix = prefixes[p];
+        const int64_t count = std::min<int64_t>(
+            prefix_tile, static_cast<int64_t>(prefix.tokens.size()) - first_token);
+        attend_shared_prefix<scalar_t>(
+            prefix.tokens.data() + first_token, count, prefix.blocks, q_data, q.stride(0),
+            q.stride(1), pool_data, block_size, pool.stride(1), kv_heads, head_dim,
+            table_data + prefix.members[0] * width, group, item % kv_heads,
+            static_cast<float>(scale), states.data(), buffers);
       });
     }
-    at::parallel_for(0, num_items, 1, [&](int64_t begin, int64_t end) {
-      Buffers buffers;  // per thread: reused by all of its work items
-      for (int64_t item = begin; item < end; ++item) {
-        const int64_t n = item_sequence[item], tile = item_tile[item], kv_head = item_kv_head[item];
-        const int64_t start = seq[n * 3], num_new = seq[n * 3 + 1], first = seq[n * 3 + 2];
-        const int64_t count = std::min(kQueryTile, num_new - tile);
-        const float* prefix_state =
-            prefix_blocks[n] > 0 ? states.data() + (first + tile) * token_state : nullptr;
-        if (kv_head < 0) {
-          const auto decode = head_dim == 64    ? attend_decode<scalar_t, 64>
-                              : head_dim == 128 ? attend_decode<scalar_t, 128>
-                                                : attend_decode<scalar_t, 0>;
-          decode(q_data + first * q.stride(0), q.stride(1), pool_data, block_size,
-                 pool.stride(1), kv_heads, head_dim, table_data + n * width, start, group,
-                 window, static_cast<float>(scale), out_data + first * heads * head_dim,
-                 prefix_state, prefix_blocks[n], buffers);
-          continue;
-        }
-        attend_tile<scalar_t>(q_data + (first + tile) * q.stride(0), q.stride(0), q.stride(1),
-                              pool_data, block_size, pool.stride(1), kv_heads, head_dim,
-                              table_data + n * width, start + tile, count, group, kv_head,
-                              window, static_cast<float>(scale),
-                              out_data + (first + tile) * heads * head_dim, heads * head_dim,
-                              prefix_state, prefix_blocks[n], buffers);
+    for_each_item(num_items, [&](int64_t item, Buffers& buffers) {
+      const int64_t n = item_sequence[item], tile = item_tile[item], kv_head = item_kv_head[item];
+      const int64_t start = seq[n * 3], num_new = seq[n * 3 + 1], first = seq[n * 3 + 2];
+      const int64_t count = std::min(kQueryTile, num_new - tile);
+      const float* prefix_state =
+          prefix_blocks[n] > 0 ? states.data() + (first + tile) * token_state : nullptr;
+      if (kv_head < 0) {
+        const auto decode = head_dim == 64    ? attend_decode<scalar_t, 64>
+                            : head_dim == 128 ? attend_decode<scalar_t, 128>
+                                              : attend_decode<scalar_t, 0>;
+        decode(q_data + first * q.stride(0), q.stride(1), pool_data, block_size,
+               pool.stride(1), kv_heads, head_dim, table_data + n * width, start, group,
+               window, static_cast<float>(scale), out_data + first * heads * head_dim,
+               prefix_state, prefix_blocks[n], buffers);
+        return;
       }
+      attend_tile<scalar_t>(q_data + (first + tile) * q.stride(0), q.stride(0), q.stride(1),
+                            pool_data, block_size, pool.stride(1), kv_heads, head_dim,
+                            table_data + n * width, start + tile, count, group, kv_head,
+                            window, static_cast<float>(scale),
+                            out_data + (first + tile) * heads * head_dim, heads * head_dim,
+                            prefix_state, prefix_blocks[n], buffers);
     });
   });
   return out;
