@@ -28,8 +28,9 @@ name, and every replica holding the same loads picks the same.
 A change of load is written to the worker's entry at once, and to the orders, the heap
 and the arrays only when a search next reads them: a fleet small enough to be predicted
 whole never searches, and paid ~3 µs a decision keeping them (a queue end pushed, two
-orders and six array cells rewritten) for nothing; a large fleet pays the same as before,
-one search later.
+orders and six array cells rewritten) for nothing. Once searches come (a larger fleet),
+the router's guard changes are written as they come again, between decisions rather than
+inside the next one; a decision's own queue end still waits for the next search.
 """
 
 from __future__ import annotations
@@ -206,6 +207,7 @@ class LoadOrder:
         # workers whose entry changed since the orders were last brought up to date:
         # worker -> _GUARDS | _DONE (what changed)
         self._stale: dict[str, int] = {}
+        self._searched = False  # a search read the orders: guard changes written at once
 
     @property
     def known(self) -> KeysView[str]:
@@ -228,8 +230,12 @@ class LoadOrder:
         else:
             entry.fixed_s, entry.guarded_s = fixed_s, guarded_s
             entry.sort_key = load.sort_key
-        stale = self._stale
-        stale[load.worker_id] = stale.get(load.worker_id, 0) | _GUARDS
+        if self._searched:
+            self._by_guarded.set(load.worker_id, (guarded_s + fixed_s, *load.sort_key))
+            self._classify(load.worker_id, entry)
+        else:
+            stale = self._stale
+            stale[load.worker_id] = stale.get(load.worker_id, 0) | _GUARDS
 
     def set_done(self, worker_id: str, done_at: float) -> None:
         """This policy's predicted end of the prefills it queued on ``worker_id``."""
@@ -253,6 +259,7 @@ class LoadOrder:
         """Bring the orders, the heap of queue ends and the arrays up to date with the
         entries changed since: as if each change had been written when it was made
         (a queue end superseded before then would have been skipped by ``_advance``)."""
+        self._searched = True
         for worker_id, changed in self._stale.items():
             entry = self._loads[worker_id]
             if changed & _GUARDS:
@@ -268,8 +275,7 @@ class LoadOrder:
     ) -> set[str]:
         """Workers of ``eligible`` but not ``excluded`` among which is one whose load term
         is the smallest of all such known workers (the first taken in each order)."""
-        if self._stale:
-            self._refresh()
+        self._refresh()
         self._advance(now)
         found: set[str] = set()
         for order in (self._by_guarded, self._drained, self._queued):
@@ -295,8 +301,7 @@ class LoadOrder:
         the same loads picks the same; no sort of the tied per decision). Where none of
         the tied is eligible (workers taken out, or tried) they are dropped from the
         group and the search repeated."""
-        if self._stale:  # first: the arrays grow to every known slot
-            self._refresh()
+        self._refresh()  # first: the arrays grow to every known slot
         if self._name_ranks_stale:  # once after workers come or go, not per decision
             for rank, worker_id in enumerate(sorted(self._loads)):
                 self._terms.name_rank[self._loads[worker_id].slot] = rank
