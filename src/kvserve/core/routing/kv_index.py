@@ -259,7 +259,9 @@ class KVBlockIndex:
         """Predict that ``worker_id`` will hold these blocks; forgotten after ``deadline``
         unless a ``stored`` event confirms them first. One deadline entry per call, not
         per block: a 128-block prompt is one heap push."""
-        pending = self._speculative.setdefault(worker_id, {})
+        pending = self._speculative.get(worker_id)
+        if pending is None:
+            pending = self._speculative[worker_id] = {}
         bit = _bit(self._slot(worker_id), "device")
         # not confirmed on device: its device set is the bit's other record
         confirmed = self._held.get((worker_id, "device"), ())

@@ -309,6 +309,12 @@ class LoadOrder:
         workers = self._slot_workers
         while True:
             tied = self._terms.lightest(first_bits, bits_per_slot, now)
+            if len(tied) == 1:  # most decisions: no tie to break by name
+                worker_id = workers[int(tied[0])]
+                if worker_id in eligible:
+                    return [worker_id]
+                first_bits &= ~(1 << int(tied[0]) * bits_per_slot)
+                continue
             if not len(tied):
                 return []
             by_name = np.argsort(self._terms.name_rank[tied])
