@@ -324,3 +324,37 @@ def test_a_walk_of_the_prompt_equals_each_workers_walk(
         patch.setattr(kv_index, "RUN_BLOCKS", run_blocks)
         holders = routing.index.match_holders(hashes, now=0.0)
     assert holders == {w: m for w, m in everyone.items() if m.num_blocks}
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    fleet=st.lists(worker, min_size=2, max_size=10),
+    steps=st.lists(
+        st.tuples(
+            st.integers(1, 12),  # the request's prompt blocks
+            st.floats(0.0, 0.3),  # seconds since the previous one
+            st.integers(0, 9),  # a worker whose guards change after it
+            st.integers(0, 3),  # to this many in-flight requests
+        ),
+        min_size=1,
+        max_size=12,
+    ),
+)
+def test_decisions_in_a_row_stay_exact_as_their_records_and_loads_change(
+    fleet: list[tuple[int, int, list[tuple[int, str, bool]], float | None, int, int]],
+    steps: list[tuple[int, float, int, int]],
+) -> None:
+    """Each decision queues its prefill and speculates its blocks, then a worker's guards
+    change: the load orders, brought up to date only when a decision searches them, give
+    the reference's choice at every step (queues ending between decisions included)."""
+    routing, loads = build(fleet)
+    now = 0.0
+    for prompt_blocks, elapsed, changed, requests in steps:
+        now += elapsed
+        hashes = PROMPT[:prompt_blocks]
+        assert_fast_equals_exhaustive(routing, loads, hashes, now)
+        choice = routing.select(loads, hashes, len(hashes) * BLOCK + 7, BLOCK, now)
+        assert choice.worker_id in {w.worker_id for w in loads}
+        i = changed % len(loads)
+        loads[i] = WorkerLoad(loads[i].worker_id, requests, 400 * requests)
+        routing.loads.update(loads[i])

@@ -80,9 +80,10 @@ reference rule, cheaper there).
 
 from __future__ import annotations
 
-from collections.abc import Container, Mapping, Sequence
+from collections.abc import Container, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from operator import itemgetter
+from itertools import repeat
+from operator import attrgetter, itemgetter
 from typing import Any
 
 import xxhash
@@ -95,6 +96,7 @@ from kvserve.core.routing.tie_breaking import ReplicaSalt
 from kvserve.core.routing.types import TakeBack, WorkerLoad
 
 _NO_MATCH = WorkerMatch({})
+_worker_id = attrgetter("worker_id")
 # With a replica's salt: walks of the load orders for candidates (each adds up to three)
 SALTED_LOAD_ROUNDS = 4
 # Fleets of up to this many workers are predicted whole (the reference rule): finding
@@ -372,9 +374,13 @@ def _choose(
     else:  # the score is the TTFT: only those within 2 ns of the smallest can round to it
         near_s = min(map(itemgetter(1), scored)) + 2e-9
         scored = [s for s in scored if s[1] <= near_s]
-        ranks = [(round(ttft, 9), w.sort_key) for w, ttft, _ in scored]
-    lowest = min(ranks)
-    tied = [s for s, rank in zip(scored, ranks, strict=True) if rank == lowest]
+        # one near the smallest (most decisions): it is the choice, nothing to rank
+        ranks = [(round(ttft, 9), w.sort_key) for w, ttft, _ in scored] if scored[1:] else []
+    if ranks:
+        lowest = min(ranks)
+        tied = [s for s, rank in zip(scored, ranks, strict=True) if rank == lowest]
+    else:
+        tied = scored
     chosen = tied[0]
     if len(tied) > 1:
         chosen = max(tied, key=lambda t: _rendezvous(tie_key, t[0].worker_id))
@@ -463,9 +469,11 @@ class KvAwareRouting:
         tie_key = block_hashes[-1] if block_hashes else prompt_tokens
         if len(workers) <= self.small_fleet:  # workers not seen before: learnt by _score
             matches = self.index.match_holders(block_hashes, now)
-            candidates: Sequence[tuple[WorkerLoad, WorkerMatch]] = [
-                (w, matches.get(w.worker_id, _NO_MATCH)) for w in workers
-            ]
+            candidates: Iterable[tuple[WorkerLoad, WorkerMatch]] = zip(
+                workers,
+                map(matches.get, map(_worker_id, workers), repeat(_NO_MATCH)),
+                strict=True,
+            )
         else:
             candidates = self._candidates(workers, block_hashes, now, tie_key)
         scored = self._score(candidates, prompt_tokens, block_size, now)
@@ -474,7 +482,7 @@ class KvAwareRouting:
 
     def _score(
         self,
-        candidates: Sequence[tuple[WorkerLoad, WorkerMatch]],
+        candidates: Iterable[tuple[WorkerLoad, WorkerMatch]],
         prompt_tokens: int,
         block_size: int,
         now: float,

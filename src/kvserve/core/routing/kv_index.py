@@ -18,10 +18,10 @@ import heapq
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from itertools import filterfalse, islice, repeat, takewhile
-from operator import or_
+from itertools import filterfalse, islice, takewhile
 
 from kvserve.core.kv_events import KVEvent
+from kvserve.core.routing.speculative_masks import SHARD_MASK, SpeculativeMasks
 
 TIERS: tuple[str, ...] = ("device", "host", "storage")  # fastest first
 # A walk of the prompt follows the workers still matching each on its own (a few passes
@@ -113,12 +113,14 @@ class KVBlockIndex:
         self._held: dict[tuple[str, str], set[int]] = {}
         # worker -> hash -> deadline; the heap orders deadlines for cleanup
         self._speculative: dict[str, dict[int, float]] = {}
-        self._speculative_holders: dict[int, int] = {}  # hash -> first bits of its workers
+        self._speculative_holders = SpeculativeMasks()  # hash -> first bits of its workers
         # (deadline, worker, batch), soonest first; a batch: the blocks one call speculated
         # (kept apart from the heap: tuples of atomic values only, which the collector
-        # stops tracking)
+        # stops tracking), as a dict of hash -> deadline, which the collector never
+        # tracks: a tuple of 128 hashes is tracked until a collection has walked its 128
+        # items, and a few hundred of them made each young collection 300-600 µs
         self._deadlines: list[tuple[float, str, int]] = []
-        self._batches: dict[int, tuple[int, ...]] = {}
+        self._batches: dict[int, dict[int, float]] = {}
         self._next_batch = 0
         self.num_entries = 0  # (block, worker, tier) bits set
         self.evicted_entries = 0
@@ -151,8 +153,9 @@ class KVBlockIndex:
         slot = self._slots.pop(worker_id, None)
         pending = self._speculative.pop(worker_id, {})
         if slot is not None:
+            bit = _bit(slot, "device")
             for block_hash in pending:
-                self._drop_speculative_bit(block_hash, _bit(slot, "device"))
+                self._speculative_holders.drop(block_hash, bit)
             self._slot_workers[slot] = None
             self._free_slots.append(slot)
 
@@ -202,7 +205,7 @@ class KVBlockIndex:
                 recency.move_to_end(block_hash)
             if pending and pending.pop(block_hash, None) is not None:
                 # confirmed: the event replaces the guess
-                self._drop_speculative_bit(block_hash, _bit(self._slots[worker_id], "device"))
+                self._speculative_holders.drop(block_hash, _bit(self._slots[worker_id], "device"))
         self._enforce_budget()
 
     def _enforce_budget(self) -> None:
@@ -240,13 +243,6 @@ class KVBlockIndex:
             for block_hash in held:
                 self._drop_bit(block_hash, bit)
 
-    def _drop_speculative_bit(self, block_hash: int, bit: int) -> None:
-        mask = self._speculative_holders[block_hash] & ~bit
-        if mask:
-            self._speculative_holders[block_hash] = mask
-        else:
-            del self._speculative_holders[block_hash]
-
     def _drop_bit(self, block_hash: int, bit: int) -> None:
         mask = _mask(self._holders[block_hash]) & ~bit
         self.num_entries -= 1
@@ -263,16 +259,16 @@ class KVBlockIndex:
         """Predict that ``worker_id`` will hold these blocks; forgotten after ``deadline``
         unless a ``stored`` event confirms them first. One deadline entry per call, not
         per block: a 128-block prompt is one heap push."""
-        pending = self._speculative.setdefault(worker_id, {})
+        pending = self._speculative.get(worker_id)
+        if pending is None:
+            pending = self._speculative[worker_id] = {}
         bit = _bit(self._slot(worker_id), "device")
         # not confirmed on device: its device set is the bit's other record
         confirmed = self._held.get((worker_id, "device"), ())
-        fresh = tuple(filterfalse(confirmed.__contains__, block_hashes))
+        fresh = dict.fromkeys(filterfalse(confirmed.__contains__, block_hashes), deadline)
         if fresh:
-            pending.update(dict.fromkeys(fresh, deadline))
-            holders = self._speculative_holders
-            ored = map(or_, map(holders.get, fresh, repeat(0)), repeat(bit))
-            holders.update(zip(fresh, ored, strict=True))
+            pending.update(fresh)
+            self._speculative_holders.add(fresh, bit)
             batch = self._next_batch
             self._next_batch += 1
             self._batches[batch] = fresh
@@ -285,10 +281,11 @@ class KVBlockIndex:
         slot = self._slots.get(worker_id)
         if not pending or slot is None:
             return
+        bit, drop = _bit(slot, "device"), self._speculative_holders.drop
         for block_hash in block_hashes:
             if pending.get(block_hash) == deadline:
                 del pending[block_hash]
-                self._drop_speculative_bit(block_hash, _bit(slot, "device"))
+                drop(block_hash, bit)
 
     def expire(self, now: float) -> int:
         """Drop speculative entries whose deadline passed; returns how many."""
@@ -299,11 +296,11 @@ class KVBlockIndex:
             pending = self._speculative.get(worker_id)
             if not pending:
                 continue
-            bit = _bit(self._slots[worker_id], "device")
+            bit, drop = _bit(self._slots[worker_id], "device"), self._speculative_holders.drop
             for block_hash in block_hashes:
                 if pending.get(block_hash) == deadline:
                     del pending[block_hash]
-                    self._drop_speculative_bit(block_hash, bit)
+                    drop(block_hash, bit)
                     dropped += 1
         return dropped
 
@@ -366,7 +363,8 @@ class KVBlockIndex:
         worker still matching, each one's match is found from its own sets
         (:meth:`_run`), in C: a conversation's own prefix, the bulk of a long prompt,
         costs no Python step per block."""
-        holders, speculative, first = self._holders, self._speculative_holders, self._first_bits
+        holders, first = self._holders, self._first_bits
+        speculative = self._speculative_holders.shards
         by_depth: list[tuple[int, int]] = []  # (matched blocks, first bits of its workers)
         alive = -1  # every slot, until the first block narrows it
         off_device = 0  # slots with a block found in host or storage only
@@ -377,7 +375,7 @@ class KVBlockIndex:
             if mask < 0:
                 mask = 1 << ~mask
             reported = (mask | mask >> 1 | mask >> 2) & first
-            here = reported | speculative.get(block_hash, 0)
+            here = reported | speculative[block_hash & SHARD_MASK].get(block_hash, 0)
             if alive == -1:
                 alive = here
                 left = alive.bit_count() if recency is None else end  # recency: by block

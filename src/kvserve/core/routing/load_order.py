@@ -24,6 +24,13 @@ search walks each from the lightest until one is eligible (of the pool, not a ho
 Entries equal in key are visited from an offset chosen by the request's tie key, so
 that the misses of an idle fleet spread over all of it instead of the first workers by
 name, and every replica holding the same loads picks the same.
+
+A change of load is written to the worker's entry at once, and to the orders, the heap
+and the arrays only when a search next reads them: a fleet small enough to be predicted
+whole never searches, and paid ~3 µs a decision keeping them (a queue end pushed, two
+orders and six array cells rewritten) for nothing. Once searches come (a larger fleet),
+the router's guard changes are written as they come again, between decisions rather than
+inside the next one; a decision's own queue end still waits for the next search.
 """
 
 from __future__ import annotations
@@ -43,6 +50,7 @@ SlotOf = Callable[[str], int]  # worker -> its slot in the KV index's masks
 
 
 Key = tuple[float, int, int]  # a load term, then the guards' sort key (ties as predicted)
+_GUARDS, _DONE = 1, 2  # what changed on a worker since the orders were brought up to date
 
 
 class _Order:
@@ -196,6 +204,10 @@ class LoadOrder:
         self._queued = _Order()  # by queue end + requests term
         self._ends: list[tuple[float, str]] = []  # queue ends, soonest first
         self._now = float("-inf")  # the time the two classes are drawn at
+        # workers whose entry changed since the orders were last brought up to date:
+        # worker -> _GUARDS | _DONE (what changed)
+        self._stale: dict[str, int] = {}
+        self._searched = False  # a search read the orders: guard changes written at once
 
     @property
     def known(self) -> KeysView[str]:
@@ -218,18 +230,24 @@ class LoadOrder:
         else:
             entry.fixed_s, entry.guarded_s = fixed_s, guarded_s
             entry.sort_key = load.sort_key
-        self._reorder(load.worker_id, entry)
+        if self._searched:
+            self._by_guarded.set(load.worker_id, (guarded_s + fixed_s, *load.sort_key))
+            self._classify(load.worker_id, entry)
+        else:
+            stale = self._stale
+            stale[load.worker_id] = stale.get(load.worker_id, 0) | _GUARDS
 
     def set_done(self, worker_id: str, done_at: float) -> None:
         """This policy's predicted end of the prefills it queued on ``worker_id``."""
         entry = self._loads.get(worker_id)
         if entry is not None:
             entry.done_at = done_at
-            heapq.heappush(self._ends, (done_at, worker_id))
-            self._classify(worker_id, entry)
+            stale = self._stale
+            stale[worker_id] = stale.get(worker_id, 0) | _DONE
 
     def remove(self, worker_id: str) -> None:
         entry = self._loads.pop(worker_id, None)
+        self._stale.pop(worker_id, None)
         if entry is not None:
             self._terms.clear(entry.slot)
             self._slot_workers.pop(entry.slot, None)
@@ -237,11 +255,27 @@ class LoadOrder:
         for order in (self._by_guarded, self._drained, self._queued):
             order.remove(worker_id)
 
+    def _refresh(self) -> None:
+        """Bring the orders, the heap of queue ends and the arrays up to date with the
+        entries changed since: as if each change had been written when it was made
+        (a queue end superseded before then would have been skipped by ``_advance``)."""
+        self._searched = True
+        for worker_id, changed in self._stale.items():
+            entry = self._loads[worker_id]
+            if changed & _GUARDS:
+                key = (entry.guarded_s + entry.fixed_s, *entry.sort_key)
+                self._by_guarded.set(worker_id, key)
+            if changed & _DONE:
+                heapq.heappush(self._ends, (entry.done_at, worker_id))
+            self._classify(worker_id, entry)
+        self._stale.clear()
+
     def lightest(
         self, eligible: Container[str], excluded: Container[str], now: float, tie_key: int
     ) -> set[str]:
         """Workers of ``eligible`` but not ``excluded`` among which is one whose load term
         is the smallest of all such known workers (the first taken in each order)."""
+        self._refresh()
         self._advance(now)
         found: set[str] = set()
         for order in (self._by_guarded, self._drained, self._queued):
@@ -267,6 +301,7 @@ class LoadOrder:
         the same loads picks the same; no sort of the tied per decision). Where none of
         the tied is eligible (workers taken out, or tried) they are dropped from the
         group and the search repeated."""
+        self._refresh()  # first: the arrays grow to every known slot
         if self._name_ranks_stale:  # once after workers come or go, not per decision
             for rank, worker_id in enumerate(sorted(self._loads)):
                 self._terms.name_rank[self._loads[worker_id].slot] = rank
@@ -274,6 +309,12 @@ class LoadOrder:
         workers = self._slot_workers
         while True:
             tied = self._terms.lightest(first_bits, bits_per_slot, now)
+            if len(tied) == 1:  # most decisions: no tie to break by name
+                worker_id = workers[int(tied[0])]
+                if worker_id in eligible:
+                    return [worker_id]
+                first_bits &= ~(1 << int(tied[0]) * bits_per_slot)
+                continue
             if not len(tied):
                 return []
             by_name = np.argsort(self._terms.name_rank[tied])
@@ -329,7 +370,3 @@ class LoadOrder:
         else:
             self._queued.remove(worker_id)
             self._drained.set(worker_id, (entry.fixed_s, *entry.sort_key))
-
-    def _reorder(self, worker_id: str, entry: _Load) -> None:
-        self._by_guarded.set(worker_id, (entry.guarded_s + entry.fixed_s, *entry.sort_key))
-        self._classify(worker_id, entry)
