@@ -376,6 +376,7 @@ def _choose(
         scored = [s for s in scored if s[1] <= near_s]
         # one near the smallest (most decisions): it is the choice, nothing to rank
         ranks = [(round(ttft, 9), w.sort_key) for w, ttft, _ in scored] if scored[1:] else []
+    tied: Sequence[tuple[WorkerLoad, float, int]]
     if ranks:
         lowest = min(ranks)
         tied = [s for s, rank in zip(scored, ranks, strict=True) if rank == lowest]
