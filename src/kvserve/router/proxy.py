@@ -11,6 +11,7 @@ decision recorded (``Policy.undo``), before any retry selects again.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
 import time
 from collections.abc import Callable, Iterator
@@ -279,7 +280,9 @@ class Proxy:
             await self._send_stream_error(response, f"worker stream ended early: {kind}")
             return response
         self._finish(attempt, upstream.status, usage.cached_tokens)
-        await response.write_eof()
+        # A client may leave once it reads the last event (``[DONE]``): it has the whole answer.
+        with contextlib.suppress(ConnectionResetError):
+            await response.write_eof()
         return response
 
     async def _send_stream_error(self, response: web.StreamResponse, message: str) -> None:
