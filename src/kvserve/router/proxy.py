@@ -262,7 +262,11 @@ class Proxy:
             if isinstance(request, LeanRequest)
             else web.StreamResponse(status=upstream.status, headers=attempt.headers)
         )
-        await response.prepare(request)  # type: ignore[arg-type]  # lean: its own prepare
+        try:
+            await response.prepare(request)  # type: ignore[arg-type]  # lean: its own prepare
+        except ConnectionResetError:  # the client left as the worker's answer began
+            self._metrics.errors.labels(attempt.worker.worker_id, "client_gone").inc()
+            return response
         usage = StreamUsageReader()
         try:
             async for chunk in upstream.content.iter_any():
