@@ -8,6 +8,7 @@ of 32: the tiny qwen3 model (head_dim 32) and blocks of 32 tokens fit.
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 from kvserve.router.local_fleet import ServerProcess, free_port
@@ -59,6 +60,7 @@ class VllmServer:
             "PYTHONPATH": "",  # kvserve's source stays out of vLLM's venv
             "VLLM_SERVER_DEV_MODE": "1" if self.dev_mode else "0",
         }
+        self._shared_memory_before = multiprocessing_shared_memory()
         return ServerProcess(args, self.url, name="vllm", env=env)
 
     def wait_healthy(self, timeout_s: float = 300.0) -> VllmServer:
@@ -66,18 +68,75 @@ class VllmServer:
         return self
 
     def kill(self) -> None:
+        """Die like a crashed server, then remove the shared memory it can no longer remove."""
         self.process.kill()
+        unlink_orphans(self._shared_memory_before, self.process.process.pid)
 
     def restart(self) -> VllmServer:
         """A new process on the same ports (not waited for)."""
-        self.process.stop()
+        self.stop()
         self.process = self._spawn()
         return self
 
     def stop(self) -> None:
         self.process.stop(30)
+        unlink_orphans(self._shared_memory_before, self.process.process.pid)
 
     def kv_events(self, *, replay: bool = True) -> str:
         """This server's event source as the router's ``--kv-events`` takes it."""
         source = f"tcp://127.0.0.1:{self.events_port}"
         return source + (f"?replay=tcp://127.0.0.1:{self.replay_port}" if replay else "")
+
+
+SHARED_MEMORY = Path("/dev/shm")
+
+
+def multiprocessing_shared_memory() -> set[Path]:
+    """Python multiprocessing's files in /dev/shm: shared memory segments and semaphores."""
+    return set(SHARED_MEMORY.glob("psm_*")) | set(SHARED_MEMORY.glob("sem.mp-*"))
+
+
+def _group_members(group: int) -> list[int]:
+    """Live processes of process group ``group`` (a server's engine core and helpers)."""
+    members = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:  # ended meanwhile
+            continue
+        if fields[0] != "Z" and int(fields[2]) == group:
+            members.append(int(entry.name))
+    return members
+
+
+def _mapped_shared_memory() -> set[Path]:
+    """The /dev/shm files some live process maps."""
+    mapped = set()
+    for entry in Path("/proc").iterdir():
+        try:
+            lines = (entry / "maps").read_text().splitlines() if entry.name.isdigit() else []
+        except OSError:  # ended meanwhile, or not ours to read
+            continue
+        for line in lines:
+            fields = line.split(maxsplit=5)  # address, perms, offset, device, inode[, path]
+            if len(fields) == 6 and fields[5].startswith(f"{SHARED_MEMORY}/"):
+                mapped.add(Path(fields[5]))
+    return mapped
+
+
+def unlink_orphans(before: set[Path], group: int, timeout_s: float = 10.0) -> None:
+    """Once process group ``group`` is gone, unlink the multiprocessing files that appeared
+    since ``before`` and that no live process maps.
+
+    vLLM's message queues live in POSIX shared memory (``psm_*``, hundreds of MB each), and
+    its resource tracker unlinks those and a semaphore only on a graceful exit: a killed
+    server leaves them, and over many test runs they fill /dev/shm. A file another server
+    made meanwhile is spared while a process maps it (multiprocessing maps what it uses).
+    """
+    deadline = time.monotonic() + timeout_s
+    while _group_members(group) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    for path in multiprocessing_shared_memory() - before - _mapped_shared_memory():
+        path.unlink(missing_ok=True)
