@@ -18,7 +18,9 @@ exactly its ``max_tokens``; vLLM's offline benchmark does the same):
 Rounds alternate between the contenders so machine noise hits both alike; the best round
 (least disturbed by other jobs on a shared machine) and the median are both reported, and
 the median of the per-round ratios in wall time and in process CPU time (which other jobs
-disturb least). Both sides run with ``--threads`` torch threads.
+disturb least). Both sides run with ``--threads`` torch threads, on ``--device`` (default:
+the engine's own choice, CUDA where there is one) in ``--dtype``; the width options make the
+model realistic (kernel speed means little on the default few-MB model).
 Run: ``python benchmarks/engine_throughput.py [--arch llama] [--rounds 5]``.
 """
 
@@ -38,7 +40,9 @@ import transformers
 
 from kvserve import LLM, SamplingParams
 from kvserve.engine.llm_engine import LLMEngine
-from kvserve.engine.tiny_model import ARCHES, make_tiny_model
+from kvserve.engine.tiny_model import ARCHES, TinyShape, make_tiny_model
+
+DEFAULT_SHAPE = TinyShape()
 
 
 @dataclass(frozen=True)
@@ -64,16 +68,20 @@ class Timing:
     cpu: float  # process CPU time: what other jobs on a shared machine disturb least
 
 
-def timed(fn: Callable[[], object]) -> Timing:
+def timed(fn: Callable[[], object], device: torch.device) -> Timing:
     wall, cpu = time.perf_counter(), time.process_time()
     fn()
+    if device.type == "cuda":  # transformers' last kernels may still be queued
+        torch.cuda.synchronize(device)
     return Timing(time.perf_counter() - wall, time.process_time() - cpu)
 
 
 def hf_generate(model, prompts: list[list[int]], max_new_tokens: int) -> None:
     width = max(len(p) for p in prompts)
-    input_ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
-    attention_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    input_ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts], device=model.device)
+    attention_mask = torch.tensor(
+        [[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=model.device
+    )
     config = transformers.GenerationConfig(
         max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0
     )
@@ -97,8 +105,15 @@ def throughput(
     args: argparse.Namespace, model_dir: Path, workloads: list[Workload]
 ) -> dict[str, tuple[list[Timing], list[Timing]]]:
     """Times per round of (kvserve, transformers) for each whole workload."""
-    hf_model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    llm = LLM(model_dir, max_num_seqs=args.batch, max_num_batched_tokens=args.budget)
+    llm = LLM(
+        model_dir,
+        max_num_seqs=args.batch,
+        max_num_batched_tokens=args.budget,
+        device=args.device,
+        dtype=args.dtype,
+    )
+    device, dtype = llm.engine.runner.device, llm.engine.runner.dtype
+    hf_model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device)
     vocab_size = llm.engine.runner.config.vocab_size
     rng = random.Random(0)
     seconds: dict[str, tuple[list[Timing], list[Timing]]] = {w.name: ([], []) for w in workloads}
@@ -107,8 +122,11 @@ def throughput(
             # Fresh prompts each round: the prefix cache must not serve earlier rounds.
             prompts = [random_prompt(n, rng, vocab_size) for n in workload.prompt_lengths]
             outputs = workload.output_lengths
-            k = timed(lambda: kvserve_generate(llm, prompts, outputs))  # noqa: B023
-            h = timed(lambda: hf_static_batches(hf_model, prompts, outputs, args.batch))  # noqa: B023
+            k = timed(lambda: kvserve_generate(llm, prompts, outputs), device)  # noqa: B023
+            h = timed(
+                lambda: hf_static_batches(hf_model, prompts, outputs, args.batch),  # noqa: B023
+                device,
+            )
             if round_index:
                 seconds[workload.name][0].append(k)
                 seconds[workload.name][1].append(h)
@@ -126,7 +144,9 @@ def first_token_seconds(engine: LLMEngine, request_id: str, prompt: list[int]) -
 def ttft(args: argparse.Namespace, model_dir: Path) -> tuple[list[float], list[float]]:
     """Seconds to first token per round of (cold, 90%-cached) prompts."""
     rng = random.Random(1)
-    engine = LLMEngine(model_dir, max_num_batched_tokens=args.budget)
+    engine = LLMEngine(
+        model_dir, max_num_batched_tokens=args.budget, device=args.device, dtype=args.dtype
+    )
     vocab_size = engine.runner.config.vocab_size
     shared = int(args.ttft_prompt * 0.9)
     cold_s, cached_s = [], []
@@ -172,16 +192,34 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--budget", type=int, default=512, help="kvserve tokens per step")
     parser.add_argument("--threads", type=int, default=1, help="torch threads for both")
+    parser.add_argument("--device", help="cpu | cuda (default: the engine's choice)")
+    parser.add_argument("--dtype", default="float32", help="float32 | bfloat16 | auto")
+    parser.add_argument("--hidden-size", type=int, default=DEFAULT_SHAPE.hidden_size)
+    parser.add_argument("--intermediate-size", type=int, default=DEFAULT_SHAPE.intermediate_size)
+    parser.add_argument("--num-heads", type=int, default=DEFAULT_SHAPE.num_heads)
+    parser.add_argument("--num-kv-heads", type=int, default=DEFAULT_SHAPE.num_kv_heads)
+    parser.add_argument("--num-layers", type=int, help="default: the family's own")
+    parser.add_argument("--head-dim", type=int, help="default: the family's own")
     args = parser.parse_args()
+    shape = TinyShape(
+        hidden_size=args.hidden_size,
+        intermediate_size=args.intermediate_size,
+        num_heads=args.num_heads,
+        num_kv_heads=args.num_kv_heads,
+        num_layers=args.num_layers,
+        head_dim=args.head_dim,
+    )
     torch.set_num_threads(args.threads)
     workloads = make_workloads(args)
     with tempfile.TemporaryDirectory() as tmp:
-        model_dir = make_tiny_model(Path(tmp) / args.arch, args.arch, seed=0)
+        model_dir = make_tiny_model(Path(tmp) / args.arch, args.arch, seed=0, shape=shape)
         seconds = throughput(args, model_dir, workloads)
         cold, cached = ttft(args, model_dir)
+    where = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     print(
-        f"tiny {args.arch}, max batch {args.batch}, budget {args.budget} tokens/step, "
-        f"{args.rounds} rounds, {torch.get_num_threads()} torch thread(s) for both"
+        f"{args.arch} {shape}, {args.dtype} on {where}, max batch {args.batch}, "
+        f"budget {args.budget} tokens/step, {args.rounds} rounds, "
+        f"{torch.get_num_threads()} torch thread(s) for both"
     )
     for workload in workloads:
         ours, theirs = seconds[workload.name]

@@ -43,15 +43,16 @@ def model_dir(request, tiny_model_dirs, attention_path):
 
 
 @pytest.fixture(scope="module")
-def oracle(model_dir):
+def oracle(model_dir, device):
     model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model = model.to(device)
     config = transformers.GenerationConfig(
         max_new_tokens=MAX_TOKENS, do_sample=False, eos_token_id=None, pad_token_id=0
     )
 
     @cache
     def greedy(prompt: tuple[int, ...]) -> list[int]:
-        out = model.generate(torch.tensor([prompt]), generation_config=config)
+        out = model.generate(torch.tensor([prompt], device=device), generation_config=config)
         return out[0, len(prompt) :].tolist()
 
     return greedy
@@ -79,8 +80,10 @@ def assert_matches_oracle(results, prompts, oracle) -> None:
         assert results[i]["tokens"] == oracle(tuple(prompt)), f"prompt {i}"
 
 
-def test_mixed_lengths_then_shared_prefixes(model_dir, oracle):
-    engine = LLMEngine(model_dir, block_size=BLOCK_SIZE, num_blocks=512, dtype="float32")
+def test_mixed_lengths_then_shared_prefixes(model_dir, oracle, device):
+    engine = LLMEngine(
+        model_dir, block_size=BLOCK_SIZE, num_blocks=512, dtype="float32", device=device
+    )
     first = run_checked(engine, FIRST_BATCH, "first")
     assert_matches_oracle(first, FIRST_BATCH, oracle)
     computed_before = engine.scheduler.stats.computed_tokens
@@ -93,15 +96,22 @@ def test_mixed_lengths_then_shared_prefixes(model_dir, oracle):
     assert engine.scheduler.stats.computed_tokens - computed_before == cold_cost - (48 + 100 + 4)
 
 
-def test_chunked_prefill_with_a_small_budget(model_dir, oracle):
+def test_chunked_prefill_with_a_small_budget(model_dir, oracle, device):
     engine = LLMEngine(
-        model_dir, block_size=BLOCK_SIZE, num_blocks=512, max_num_batched_tokens=7, dtype="float32"
+        model_dir,
+        block_size=BLOCK_SIZE,
+        num_blocks=512,
+        max_num_batched_tokens=7,
+        dtype="float32",
+        device=device,
     )
     assert_matches_oracle(run_checked(engine, FIRST_BATCH, "chunked"), FIRST_BATCH, oracle)
 
 
-def test_preemption_in_a_tiny_pool(model_dir, oracle):
-    engine = LLMEngine(model_dir, block_size=BLOCK_SIZE, num_blocks=36, dtype="float32")
+def test_preemption_in_a_tiny_pool(model_dir, oracle, device):
+    engine = LLMEngine(
+        model_dir, block_size=BLOCK_SIZE, num_blocks=36, dtype="float32", device=device
+    )
     prompts = FIRST_BATCH + SECOND_BATCH[:1]
     results = run_checked(engine, prompts, "tiny")
     assert engine.scheduler.stats.preemptions > 0

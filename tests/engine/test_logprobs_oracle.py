@@ -40,14 +40,15 @@ def model_dir(request, tiny_model_dirs, attention_path):
 
 
 @pytest.fixture(scope="module")
-def oracle(model_dir):
+def oracle(model_dir, device):
     """Log-softmax of transformers' logits at every position of a token sequence."""
     model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model = model.to(device)
 
     @cache
     def logprobs(tokens: tuple[int, ...]) -> torch.Tensor:
         with torch.no_grad():
-            logits = model(torch.tensor([tokens])).logits[0].float()
+            logits = model(torch.tensor([tokens], device=device)).logits[0].float().cpu()
         return torch.log_softmax(logits, dim=-1)
 
     return logprobs
@@ -103,8 +104,10 @@ BOTH = SamplingParams(
 )
 
 
-def test_echo_without_generation_and_with(model_dir, oracle):
-    engine = LLMEngine(model_dir, block_size=BLOCK_SIZE, num_blocks=256, dtype="float32")
+def test_echo_without_generation_and_with(model_dir, oracle, device):
+    engine = LLMEngine(
+        model_dir, block_size=BLOCK_SIZE, num_blocks=256, dtype="float32", device=device
+    )
     requests = {f"echo-{i}": (p, ECHO) for i, p in enumerate(PROMPTS)}
     requests |= {f"both-{i}": (p, BOTH) for i, p in enumerate(PROMPTS)}
     results = collect(engine, requests)
@@ -116,10 +119,12 @@ def test_echo_without_generation_and_with(model_dir, oracle):
         check_sample_logprobs(results[f"both-{i}"], prompt, oracle)
 
 
-def test_cached_prefix_is_recomputed_for_prompt_logprobs(model_dir, oracle):
+def test_cached_prefix_is_recomputed_for_prompt_logprobs(model_dir, oracle, device):
     """A cached block holds K/V, not logits: an echo request computes its whole prompt
     (cached_tokens 0) and is exact; a later plain request still reuses the cache."""
-    engine = LLMEngine(model_dir, block_size=BLOCK_SIZE, num_blocks=256, dtype="float32")
+    engine = LLMEngine(
+        model_dir, block_size=BLOCK_SIZE, num_blocks=256, dtype="float32", device=device
+    )
     prompt = PROMPTS[3]
     collect(engine, {"warm": (prompt, SamplingParams(max_tokens=1))})
     computed = engine.scheduler.stats.computed_tokens
@@ -133,9 +138,14 @@ def test_cached_prefix_is_recomputed_for_prompt_logprobs(model_dir, oracle):
     check_sample_logprobs(plain["plain"], prompt, oracle, top=0)
 
 
-def test_after_preemption(model_dir, oracle):
+def test_after_preemption(model_dir, oracle, device):
     engine = LLMEngine(
-        model_dir, block_size=BLOCK_SIZE, num_blocks=30, max_num_batched_tokens=16, dtype="float32"
+        model_dir,
+        block_size=BLOCK_SIZE,
+        num_blocks=30,
+        max_num_batched_tokens=16,
+        dtype="float32",
+        device=device,
     )
     params = SamplingParams(
         temperature=0, max_tokens=20, ignore_eos=True, logprobs=TOP, prompt_logprobs=TOP
@@ -148,7 +158,7 @@ def test_after_preemption(model_dir, oracle):
         check_sample_logprobs(results[f"p-{i}"], prompt, oracle)
 
 
-def test_structured_output_logprobs_are_the_unmasked_ones(model_dir, oracle):
+def test_structured_output_logprobs_are_the_unmasked_ones(model_dir, oracle, device):
     """The sampler masks the logits in place for a grammar; logprobs are taken before,
     so they are finite and are the model's own log-softmax (top alternatives include
     tokens the grammar forbade), while the tokens still follow the grammar. A free
@@ -160,7 +170,9 @@ def test_structured_output_logprobs_are_the_unmasked_ones(model_dir, oracle):
         "additionalProperties": False,
     }
     structured = StructuredOutput(json.dumps(schema))
-    engine = LLMEngine(model_dir, block_size=BLOCK_SIZE, num_blocks=256, dtype="float32")
+    engine = LLMEngine(
+        model_dir, block_size=BLOCK_SIZE, num_blocks=256, dtype="float32", device=device
+    )
     prompt = PROMPTS[2]
     requests = {
         "greedy": (prompt, SamplingParams(temperature=0, max_tokens=60, logprobs=TOP,

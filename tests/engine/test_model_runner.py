@@ -31,6 +31,13 @@ def oracle(model_dir: Path) -> AutoModelForCausalLM:
     return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
 
 
+def reference(model_dir: Path, dtype: torch.dtype, device: str) -> AutoModelForCausalLM:
+    """transformers' model in ``dtype`` on ``device`` (the float32 CPU one is cached)."""
+    if dtype == torch.float32 and device == "cpu":
+        return oracle(model_dir)
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
+
+
 def oracle_logits(model_dir: Path, token_ids: list[int]) -> torch.Tensor:
     """Logits of every position: ``[len(token_ids), vocab]``."""
     with torch.no_grad():
@@ -205,7 +212,7 @@ def test_prefill_chunks_grouped_any_way_give_their_own_logits(num_resumed, runne
 
 @pytest.mark.parametrize("arch", ARCHES)
 def test_bfloat16_is_as_close_to_float32_as_transformers_in_bfloat16(
-    arch, tiny_model_dirs, attention_path
+    arch, tiny_model_dirs, attention_path, device
 ):
     """bf16 cannot match float32 exactly (8-bit mantissas; greedy choices between near-tied
     logits flip), so its tolerance is transformers' own: against transformers in float32,
@@ -213,18 +220,19 @@ def test_bfloat16_is_as_close_to_float32_as_transformers_in_bfloat16(
     in bf16 is on the same tokens, with a 1.5x margin for summation order."""
     folder, rng = tiny_model_dirs[arch], random.Random(3)
     tokens = [rng.randrange(10, 900) for _ in range(60)]
+    ids = torch.tensor([tokens], device=device)
     with torch.no_grad():
-        exact = oracle(folder)(torch.tensor([tokens])).logits[0, 40:]
-        theirs = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16)(
-            torch.tensor([tokens])
-        ).logits[0, 40:]
-    runner = ModelRunner(folder, num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE, dtype=torch.bfloat16)
+        exact = reference(folder, torch.float32, device)(ids).logits[0, 40:].cpu()
+        theirs = reference(folder, torch.bfloat16, device)(ids).logits[0, 40:].cpu()
+    runner = ModelRunner(
+        folder, num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE, dtype=torch.bfloat16, device=device
+    )
     table = shuffled_blocks(16, seed=4)
     first = runner.forward([SequenceBatchItem(tokens[:41], 0, table)])
     rest = [
         runner.forward([SequenceBatchItem([t], p, table)]) for p, t in enumerate(tokens) if p > 40
     ]
-    ours = torch.cat([first, *rest])
+    ours = torch.cat([first, *rest]).float().cpu()
     our_error, their_error = (ours - exact).abs(), (theirs.float() - exact).abs()
     assert our_error.max() <= 1.5 * their_error.max()
     assert our_error.mean() <= 1.5 * their_error.mean()
