@@ -5,10 +5,19 @@ own routing history), measured with ``kvserve bench`` on the same workloads, the
 servers and the same machine, in one run.
 
 Every run gets a fresh router and empty vLLM prefix caches (``POST /reset_prefix_cache``,
-which vLLM serves with ``VLLM_SERVER_DEV_MODE=1``; it publishes ``AllBlocksCleared``), and
-the order of the routers alternates between rounds, so that neither inherits warm caches
-or a quieter machine. Hit rate is vLLM's own ``usage.prompt_tokens_details.cached_tokens``
-over prompt tokens (``--enable-prompt-tokens-details``).
+which vLLM serves with ``VLLM_SERVER_DEV_MODE=1``; it publishes ``AllBlocksCleared`` with
+its next step, which a two-token prompt then runs), and the order of the routers
+alternates between rounds, so that neither inherits warm caches or a quieter machine. Hit
+rate is vLLM's own ``usage.prompt_tokens_details.cached_tokens`` over prompt tokens
+(``--enable-prompt-tokens-details``).
+
+Each vLLM server runs on a CPU of its own (``--pin-workers``, as each GPU worker has its
+own device; otherwise both engines' steps queue on every core and placement hardly
+matters) in a single process (vLLM's default layout busy-polls between its processes,
+which on a small machine stalls everything for up to a second; docs/benchmarks.md).
+Load is a closed loop of ``--concurrency`` users, or open-loop Poisson arrivals at
+``--rate`` requests per second, as traffic reaches a fleet (a closed loop starts with a
+synchronized burst on empty caches whose cold prefills set p99 for any router).
 
 The model is a random-weight qwen3 (head_dim 32, as vLLM's CPU attention needs) wide
 enough that a prefill costs real time on a CPU, so that reusing a prefix shows in TTFT.
@@ -17,14 +26,16 @@ enough that a prefill costs real time on a CPU, so that reusing a prefix shows i
 policy), which separates what the router process costs from what the policy decides.
 
 Run: ``python benchmarks/foreign_fleet.py [--requests 48] [--rounds 1]
-[--routers kvserve-kv_aware sglang-cache_aware kvserve-cache_aware]
-[--workloads shared-prefix mooncake-conv] [--out runs/foreign-fleet]``
+[--concurrency 4 | --rate 8] [--routers kvserve-kv_aware sglang-cache_aware
+kvserve-cache_aware] [--workloads shared-prefix mooncake-conv] [--out runs/foreign-fleet]``
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -158,18 +169,30 @@ def decode_request_s(worker: VllmServer, model_dir: Path, running: int = 4) -> f
     return max(busy - idle, 0.0) / running
 
 
-def reset_caches(workers: list[VllmServer]) -> None:
+def stalls_note(found: dict[str, float] | None) -> str:
+    return "" if found is None else f"  stalls>0.3s {found['count']} ({found['seconds']:.1f} s)"
+
+
+def reset_caches(workers: list[VllmServer], model_dir: Path) -> None:
+    """Empty every server's prefix cache, and make each publish that it did: vLLM sends
+    the ``AllBlocksCleared`` of a reset with its next scheduler step's events, so a
+    router started right after a bare reset replays the last run's ``BlockStored`` and
+    not the clear, and routes its first requests to blocks that are gone. A prompt
+    shorter than a block runs that step and stores nothing."""
     for worker in workers:
         request = urllib.request.Request(f"{worker.url}/reset_prefix_cache", method="POST")
         with urllib.request.urlopen(request, timeout=30) as response:
             assert response.status == 200
+        _cold_ttft_s(worker, model_dir, [60, 61])
 
 
 def run_once(
     name: str, workers: list[VllmServer], model_dir: Path, workload: str, args: argparse.Namespace,
     out: Path,
 ) -> dict[str, Any]:  # fmt: skip
-    reset_caches(workers)
+    reset_caches(workers, model_dir)
+    closed = args.rate is None
+    load = ["--concurrency", str(args.concurrency)] if closed else ["--rate", str(args.rate)]
     if name == "kvserve-kv_aware":
         router = start_kvserve_router(
             workers, model_dir, args.prefill_token_s, args.decode_request_s
@@ -181,28 +204,75 @@ def run_once(
     try:
         subprocess.run(
             [*KVSERVE_COMMAND, "bench", "--endpoint", router.url, "--workload", workload,
-             "--model", str(model_dir), "--concurrency", str(args.concurrency),
+             "--model", str(model_dir), *load,
              "--max-requests", str(args.requests), "--out", str(out)],
             check=True, stdout=subprocess.DEVNULL,
         )  # fmt: skip
     finally:
         router.stop()
-    summary: dict[str, Any] = json.loads((out / "results.json").read_text())["summary"]
+    results = json.loads((out / "results.json").read_text())
+    summary: dict[str, Any] = results["summary"]
+    # Open-loop arrivals leave the fleet idle at times: a gap there is no stall.
+    summary["stalls"] = stalls(results["requests"]) if closed else None
     return summary
+
+
+def stalls(requests: list[dict[str, Any]], longer_than_s: float = 0.3) -> dict[str, float]:
+    """Stretches of a closed-loop run in which no request got its first token or finished:
+    with work queued on both servers, such a gap is the whole machine stalling, whichever
+    router."""
+    events = sorted(
+        r["start_s"] + seconds
+        for r in requests
+        for seconds in (r["ttft_s"], r["e2e_s"])
+        if seconds is not None
+    )
+    gaps = [b - a for a, b in itertools.pairwise(events) if b - a > longer_than_s]
+    return {"count": len(gaps), "seconds": sum(gaps), "max_s": max(gaps, default=0.0)}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--requests", type=int, default=48)
-    parser.add_argument("--concurrency", type=int, default=4)
+    parser.add_argument("--concurrency", type=int, default=4, help="closed loop of C users")
+    parser.add_argument("--rate", type=float, help="open loop instead: Poisson arrivals, req/s")
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--out", type=Path, default=Path("runs/foreign-fleet"))
     parser.add_argument("--routers", nargs="+", choices=ROUTERS, default=list(ROUTERS[:2]))
     parser.add_argument("--workloads", nargs="+", choices=WORKLOADS, default=list(WORKLOADS))
+    parser.add_argument(
+        "--vllm-processes",
+        choices=["default", "single"],
+        default="single",
+        help="single: each server's engine and worker in its API server's process (vLLM's "
+        "default layout busy-polls between its processes and stalls a small machine)",
+    )
+    parser.add_argument(
+        "--pin-workers",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="vLLM server i runs on CPU i only (as each GPU worker has its own device)",
+    )
     args = parser.parse_args()
-    workloads = {name: WORKLOADS[name] for name in args.workloads}
+    # Shared-prefix workloads make as many requests as asked (their default is 256).
+    workloads = {
+        name: WORKLOADS[name] + (f",requests={args.requests}" if "n_prefixes" in spec else "")
+        for name, spec in WORKLOADS.items()
+        if name in args.workloads
+    }
     model_dir = make_model()
-    workers = [VllmServer(model_dir, dev_mode=True, kv_cache_gib=1) for _ in range(2)]
+    single = args.vllm_processes == "single"
+    cores = sorted(os.sched_getaffinity(0))
+    workers = [
+        VllmServer(
+            model_dir,
+            dev_mode=True,
+            kv_cache_gib=1,
+            single_process=single,
+            core=cores[i % len(cores)] if args.pin_workers else None,
+        )
+        for i in range(2)
+    ]
     results: dict[str, dict[str, list[dict[str, Any]]]] = {w: {} for w in workloads}
     try:
         for worker in workers:
@@ -226,7 +296,8 @@ def main() -> None:
                         f"{workload_name:14} {name:20} round {round_index}: "
                         f"hit {summary['prefix_hit_rate']:.3f}  TTFT p50 {ttft['p50']:.0f} "
                         f"p99 {ttft['p99']:.0f} ms  errors {summary['errors']}  "
-                        f"per worker {summary['requests_per_worker']}",
+                        f"per worker {summary['requests_per_worker']}"
+                        + stalls_note(summary["stalls"]),
                         flush=True,
                     )
     finally:

@@ -29,10 +29,26 @@ class VllmServer:
     """One ``vllm serve`` with KV events on ``events_port`` and replay on ``replay_port``;
     the ports stay the same across :meth:`restart`."""
 
-    def __init__(self, model_dir: Path, *, kv_cache_gib: int = 1, dev_mode: bool = False) -> None:
+    def __init__(
+        self,
+        model_dir: Path,
+        *,
+        kv_cache_gib: int = 1,
+        dev_mode: bool = False,
+        single_process: bool = False,
+        core: int | None = None,
+    ) -> None:
         require_vllm()
         self.model_dir = model_dir
         self.dev_mode = dev_mode  # /reset_prefix_cache, for benchmarks
+        # vLLM's default runs the engine core and its worker in processes of their own, which
+        # busy-poll a shared-memory queue (sched_yield) for a second after each message: on
+        # a machine with fewer cores than busy processes that starves everything else for
+        # hundreds of milliseconds. True: engine and worker inside the API server's process.
+        self.single_process = single_process
+        # One CPU of its own (its OpenMP thread bound there), as a GPU worker has its device:
+        # without it, every server's steps run on every core and queue behind each other's.
+        self.core = core
         self.port, self.events_port, self.replay_port = free_port(), free_port(), free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.kv_cache_gib = kv_cache_gib
@@ -46,19 +62,23 @@ class VllmServer:
             "replay_endpoint": f"tcp://*:{self.replay_port}",
             "topic": "kv",
         }
+        pinned = [] if self.core is None else ["taskset", "-c", str(self.core)]
         args = [
-            str(VLLM_PYTHON), str(LAUNCHER), str(self.model_dir),
+            *pinned, str(VLLM_PYTHON), str(LAUNCHER), str(self.model_dir),
             "--host", "127.0.0.1", "--port", str(self.port), "--dtype", "float32",
             "--max-model-len", "2048", "--enable-prefix-caching",
             "--block-size", str(BLOCK_SIZE), "--max-num-seqs", "16",
             "--enable-prompt-tokens-details",
             "--kv-events-config", json.dumps(events),
         ]  # fmt: skip
+        if self.single_process:
+            args += ["--distributed-executor-backend", "uni"]
         env = {
             "VLLM_CPU_KVCACHE_SPACE": str(self.kv_cache_gib),
-            "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+            "VLLM_CPU_OMP_THREADS_BIND": "nobind" if self.core is None else str(self.core),
             "PYTHONPATH": "",  # kvserve's source stays out of vLLM's venv
             "VLLM_SERVER_DEV_MODE": "1" if self.dev_mode else "0",
+            "VLLM_ENABLE_V1_MULTIPROCESSING": "0" if self.single_process else "1",
         }
         self._shared_memory_before = multiprocessing_shared_memory()
         return ServerProcess(args, self.url, name="vllm", env=env)

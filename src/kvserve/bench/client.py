@@ -69,7 +69,8 @@ async def stream_request(
         async with session.post(url, data=orjson.dumps(body), headers=_JSON) as resp:
             record.status = resp.status
             record.worker = resp.headers.get(WORKER_HEADER)
-            record.policy = decision_policy(resp.headers.get(DECISION_HEADER))
+            record.decision = resp.headers.get(DECISION_HEADER)
+            record.policy = decision_policy(record.decision)
             if resp.status != 200:
                 record.error = f"HTTP {resp.status}: {_error_message(await resp.read())}"
                 return ""

@@ -30,6 +30,7 @@ class RequestRecord:
     cached_tokens: int = 0
     worker: str | None = None  # x-kvserve-worker, when the server says
     policy: str | None = None  # the router policy named in x-kvserve-decision
+    decision: str | None = None  # x-kvserve-decision whole: policy, reason, matched share
     status: int | None = None  # HTTP status; None when no response came
     error: str | None = None
 
