@@ -4,7 +4,9 @@ softmax over each query's visible keys), on pools with shuffled block tables."""
 from __future__ import annotations
 
 import random
+import re
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -18,6 +20,30 @@ def test_kernel_builds():
     assert paged_kernel.load()
     assert paged_kernel.usable(torch.device("cpu"))
     assert not paged_kernel.usable(torch.device("cuda"))
+
+
+def test_cache_key_covers_every_included_file():
+    """Every file a kernel source includes by quotes (its own headers) is hashed into the
+    build folder's key, so a changed header can never load a stale build."""
+    hashed = {path.resolve() for path in (*paged_kernel._SOURCES, *paged_kernel._HEADERS)}
+    pending = list(paged_kernel._SOURCES)
+    while pending:
+        source = pending.pop()
+        for name in re.findall(r'^#include "([^"]+)"', source.read_text(), re.MULTILINE):
+            included = (source.parent / name).resolve()
+            assert included in hashed, f"{source.name} includes {name}, not in the cache key"
+            pending.append(included)
+    assert {path.suffix for path in paged_kernel._CSRC.iterdir()} <= {".cpp", ".h"}
+    assert {path.resolve() for path in paged_kernel._CSRC.iterdir()} == hashed
+
+
+def test_cache_key_changes_with_a_header(tmp_path: Path, monkeypatch):
+    copy = tmp_path / "convert.h"
+    copy.write_text(paged_kernel._HEADERS[0].read_text())
+    monkeypatch.setattr(paged_kernel, "_HEADERS", (copy,))
+    before = paged_kernel.build_directory()
+    copy.write_text(copy.read_text() + "\n// changed\n")
+    assert paged_kernel.build_directory() != before
 
 
 def reference(q, pool, tables, sequences, window, scale):

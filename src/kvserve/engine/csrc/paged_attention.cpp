@@ -31,28 +31,45 @@
 #include <utility>
 #include <vector>
 
+#include "convert.h"
+
 #if defined(__AVX512BF16__)
 #include <immintrin.h>
 #endif
 
 namespace {
 
-// Storage element to float. bf16 is the top half of a float: a shift the compiler
-// vectorizes inside the dot products (c10's conversion operator is not vectorized there).
-inline float to_float(float x) { return x; }
-inline float to_float(c10::Half x) { return static_cast<float>(x); }
-inline float to_float(c10::BFloat16 x) {
-  const uint32_t bits = static_cast<uint32_t>(x.x) << 16;
-  float value;
-  std::memcpy(&value, &bits, sizeof value);
-  return value;
-}
+using kvserve::bf16_bits;
+using kvserve::to_float;
 
 constexpr int64_t kQueryTile = 32;   // new tokens per work item
 constexpr int64_t kKeyChunk = 256;   // keys per GEMM (whole blocks; at least one block)
 // Built with -ffast-math (vectorized exp), which assumes no infinities: a finite floor
 // stands for "masked" and "no score yet". Every row sees at least one key.
 constexpr float kMasked = -1e30f;
+
+// One step of the online softmax for one row: folds the scores s[low, high) of a new run of
+// keys into the row's running max and sum, turning those scores into their (unnormalized)
+// weights in place and rescaling the row's output accumulator acc[head_dim] to the new max.
+// Scores outside [low, high) are left alone. Used by every path: per block by the direct
+// ones, per key chunk by the GEMM one.
+inline void online_softmax_step(float* s, int64_t low, int64_t high, float& row_max,
+                                float& row_sum, float* acc, int64_t head_dim) {
+  float step_max = kMasked;
+  for (int64_t j = low; j < high; ++j) step_max = std::max(step_max, s[j]);
+  const float new_max = std::max(row_max, step_max);
+  const float correction = std::exp(row_max - new_max);
+  float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t j = low; j < high; ++j) {
+    s[j] = std::exp(s[j] - new_max);
+    sum += s[j];
+  }
+#pragma omp simd
+  for (int64_t d = 0; d < head_dim; ++d) acc[d] *= correction;
+  row_sum = row_sum * correction + sum;
+  row_max = new_max;
+}
 
 #if defined(__AVX512F__)
 // On CPUs with AVX-512 the GEMMs are written out here instead of called from BLAS: torch's
@@ -135,13 +152,6 @@ void gemm_nn(int64_t rows, int64_t cols, int64_t inner, const float* a, int64_t 
 // are copied as bf16 (half the bytes of the float tiles, no conversion). Scores are the exact
 // products of the stored values, summed in float32; the softmax weights are rounded to bf16
 // for the P V product, as torch's own CPU attention does in bf16.
-
-// float32 to bf16 bits, rounding to nearest even (finite values: the build assumes no NaNs).
-inline uint16_t bf16_bits(float x) {
-  uint32_t bits;
-  std::memcpy(&bits, &x, sizeof bits);
-  return static_cast<uint16_t>((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);
-}
 
 // c[R][16 V] (+)= a[R][pairs] . b[pairs][16 V], all in registers.
 template <int R, int V>
@@ -234,34 +244,21 @@ void attend_rows_direct(const float* query, int64_t rows, int64_t group,
       if (low >= high) continue;
       const float* qr = query + r * head_dim;
       float* s = scores + r * block_size;
-      float block_max = kMasked;
       for (int64_t j = low; j < high; ++j) {
         const scalar_t* k = slots + j * slot_stride + kv_head * head_dim;
         float dot = 0.0f;
 #pragma omp simd reduction(+ : dot)
         for (int64_t d = 0; d < head_dim; ++d) dot += qr[d] * to_float(k[d]);
         s[j] = dot;
-        block_max = std::max(block_max, dot);
       }
-      const float new_max = std::max(row_max[r], block_max);
-      const float correction = std::exp(row_max[r] - new_max);
       float* a = acc + r * head_dim;
-#pragma omp simd
-      for (int64_t d = 0; d < head_dim; ++d) a[d] *= correction;
-      float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-      for (int64_t j = low; j < high; ++j) {
-        s[j] = std::exp(s[j] - new_max);
-        sum += s[j];
-      }
+      online_softmax_step(s, low, high, row_max[r], row_sum[r], a, head_dim);
       for (int64_t j = low; j < high; ++j) {
         const float p = s[j];
         const scalar_t* v = slots + j * slot_stride + (kv_heads + kv_head) * head_dim;
 #pragma omp simd
         for (int64_t d = 0; d < head_dim; ++d) a[d] += p * to_float(v[d]);
       }
-      row_sum[r] = row_sum[r] * correction + sum;
-      row_max[r] = new_max;
     }
   }
 }
@@ -285,22 +282,11 @@ void online_softmax_chunk(int64_t rows, int64_t keys, int64_t key_start, int64_t
       std::fill(s, s + keys, 0.0f);
       continue;
     }
-    float chunk_max = kMasked;
-    for (int64_t j = low; j < high; ++j) chunk_max = std::max(chunk_max, s[j]);
-    const float new_max = std::max(buf.row_max[r], chunk_max);
-    const float correction = std::exp(buf.row_max[r] - new_max);
-    float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-    for (int64_t j = 0; j < keys; ++j) {
-      const float p = (j >= low && j < high) ? std::exp(s[j] - new_max) : 0.0f;
-      s[j] = p;
-      sum += p;
-    }
-    buf.row_sum[r] = buf.row_sum[r] * correction + sum;
-    buf.row_max[r] = new_max;
-    float* a = buf.acc.data() + r * head_dim;
-#pragma omp simd
-    for (int64_t d = 0; d < head_dim; ++d) a[d] *= correction;
+    // The P V product runs over the whole chunk: keys the row may not see weigh 0.
+    std::fill(s, s + low, 0.0f);
+    std::fill(s + high, s + keys, 0.0f);
+    online_softmax_step(s, low, high, buf.row_max[r], buf.row_sum[r],
+                        buf.acc.data() + r * head_dim, head_dim);
   }
 }
 
@@ -531,24 +517,9 @@ void attend_decode(const scalar_t* q, int64_t q_head_stride, const scalar_t* poo
         scores[h * block_size + j] = dot;
       }
     }
-    for (int64_t h = 0; h < heads; ++h) {
-      float* s = scores + h * block_size;
-      float block_max = kMasked;
-      for (int64_t j = low; j < high; ++j) block_max = std::max(block_max, s[j]);
-      const float new_max = std::max(buf.row_max[h], block_max);
-      const float correction = std::exp(buf.row_max[h] - new_max);
-      float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-      for (int64_t j = low; j < high; ++j) {
-        s[j] = std::exp(s[j] - new_max);
-        sum += s[j];
-      }
-      float* a = buf.acc.data() + h * head_dim;
-#pragma omp simd
-      for (int64_t d = 0; d < head_dim; ++d) a[d] *= correction;
-      buf.row_sum[h] = buf.row_sum[h] * correction + sum;
-      buf.row_max[h] = new_max;
-    }
+    for (int64_t h = 0; h < heads; ++h)
+      online_softmax_step(scores + h * block_size, low, high, buf.row_max[h], buf.row_sum[h],
+                          buf.acc.data() + h * head_dim, head_dim);
     for (int64_t j = low; j < high; ++j) {
       const scalar_t* values = slots + j * slot_stride + kv_heads * head_dim;
       for (int64_t h = 0; h < heads; ++h) {
