@@ -352,6 +352,69 @@ void attend_rows_gemm_bf16(int64_t rows, const c10::BFloat16* pool, int64_t bloc
 }
 #endif
 
+// The key tile's transposition, 8 keys x 8 dimensions at a time in registers: each key's 8
+// values loaded as one vector, the 8 x 8 block transposed by shuffles (GCC's generic
+// vectors: AVX2 or AVX-512 instructions, whichever the build targets), each dimension's 8
+// keys stored as one vector. One element at a time, the copy was a load and a store per
+// float. A group's last keys (fewer than 8) and dimensions past the last multiple of 8 go
+// element by element.
+typedef float Vec8 __attribute__((vector_size(32), aligned(4)));
+typedef int32_t Lanes8 __attribute__((vector_size(32)));
+
+template <typename scalar_t>
+inline Vec8 load8(const scalar_t* src) {
+  Vec8 v;
+  if constexpr (std::is_same_v<scalar_t, float>) {
+    std::memcpy(&v, src, sizeof v);
+  } else {
+    for (int i = 0; i < 8; ++i) v[i] = to_float(src[i]);
+  }
+  return v;
+}
+
+// out[i] = column i of the 8 x 8 block whose rows are r[0..7].
+inline void transpose8(const Vec8 (&r)[8], Vec8 (&out)[8]) {
+  const Lanes8 low{0, 8, 1, 9, 4, 12, 5, 13}, high{2, 10, 3, 11, 6, 14, 7, 15};
+  const Lanes8 low_pairs{0, 1, 8, 9, 4, 5, 12, 13}, high_pairs{2, 3, 10, 11, 6, 7, 14, 15};
+  const Lanes8 low_halves{0, 1, 2, 3, 8, 9, 10, 11}, high_halves{4, 5, 6, 7, 12, 13, 14, 15};
+  Vec8 t[8], u[8];
+  for (int i = 0; i < 8; i += 2) {
+    t[i] = __builtin_shuffle(r[i], r[i + 1], low);       // rows i, i+1: columns 0 1 | 4 5
+    t[i + 1] = __builtin_shuffle(r[i], r[i + 1], high);  // columns 2 3 | 6 7
+  }
+  for (int i = 0; i < 8; i += 4) {
+    u[i] = __builtin_shuffle(t[i], t[i + 2], low_pairs);  // rows i..i+3: column 0 | 4
+    u[i + 1] = __builtin_shuffle(t[i], t[i + 2], high_pairs);      // column 1 | 5
+    u[i + 2] = __builtin_shuffle(t[i + 1], t[i + 3], low_pairs);   // column 2 | 6
+    u[i + 3] = __builtin_shuffle(t[i + 1], t[i + 3], high_pairs);  // column 3 | 7
+  }
+  for (int k = 0; k < 4; ++k) {
+    out[k] = __builtin_shuffle(u[k], u[k + 4], low_halves);
+    out[k + 4] = __builtin_shuffle(u[k], u[k + 4], high_halves);
+  }
+}
+
+// dst[d * ld + j] = rows[j][d] for `count` keys (at most 16) and head_dim dimensions.
+template <typename scalar_t>
+inline void transpose_keys(const scalar_t* const* rows, int64_t count, int64_t head_dim,
+                           float* dst, int64_t ld) {
+  int64_t j = 0;
+  for (; j + 8 <= count; j += 8) {
+    int64_t d = 0;
+    for (; d + 8 <= head_dim; d += 8) {
+      Vec8 r[8], columns[8];
+      for (int i = 0; i < 8; ++i) r[i] = load8(rows[j + i] + d);
+      transpose8(r, columns);
+      for (int i = 0; i < 8; ++i) std::memcpy(dst + (d + i) * ld + j, &columns[i], sizeof(Vec8));
+    }
+    for (; d < head_dim; ++d)
+      for (int64_t i = 0; i < 8; ++i) dst[d * ld + j + i] = to_float(rows[j + i][d]);
+  }
+  if (j < count)
+    for (int64_t d = 0; d < head_dim; ++d)
+      for (int64_t i = j; i < count; ++i) dst[d * ld + i] = to_float(rows[i][d]);
+}
+
 // Many rows (prefill tiles, shared prefixes): keys a chunk of whole blocks at a time into a
 // float tile that stays in cache, both products as GEMMs on it. Blocks [first_block,
 // end_block) of `table`; visible(r, key_start, keys) gives the chunk's keys [low, high)
@@ -391,10 +454,7 @@ void attend_rows_gemm(int64_t rows, const scalar_t* pool, int64_t block_size,
     // one cache line (a key at a time wrote head_dim lines per key).
     for (int64_t first = 0; first < keys; first += 16) {
       const int64_t group = std::min<int64_t>(16, keys - first);
-      for (int64_t d = 0; d < head_dim; ++d) {
-        float* kd = buf.keys.data() + d * keys + first;
-        for (int64_t j = 0; j < group; ++j) kd[j] = to_float(key_rows[first + j][d]);
-      }
+      transpose_keys(key_rows.data() + first, group, head_dim, buf.keys.data() + first, keys);
     }
     float* scores = buf.scores.data();
     gemm_nn(rows, keys, head_dim, buf.query.data(), head_dim, buf.keys.data(), keys, scores, keys,
