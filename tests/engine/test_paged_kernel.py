@@ -4,7 +4,9 @@ softmax over each query's visible keys), on pools with shuffled block tables."""
 from __future__ import annotations
 
 import random
+import re
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -18,6 +20,30 @@ def test_kernel_builds():
     assert paged_kernel.load()
     assert paged_kernel.usable(torch.device("cpu"))
     assert not paged_kernel.usable(torch.device("cuda"))
+
+
+def test_cache_key_covers_every_included_file():
+    """Every file a kernel source includes by quotes (its own headers) is hashed into the
+    build folder's key, so a changed header can never load a stale build."""
+    hashed = {path.resolve() for path in (*paged_kernel._SOURCES, *paged_kernel._HEADERS)}
+    pending = list(paged_kernel._SOURCES)
+    while pending:
+        source = pending.pop()
+        for name in re.findall(r'^#include "([^"]+)"', source.read_text(), re.MULTILINE):
+            included = (source.parent / name).resolve()
+            assert included in hashed, f"{source.name} includes {name}, not in the cache key"
+            pending.append(included)
+    assert {path.suffix for path in paged_kernel._CSRC.iterdir()} <= {".cpp", ".h"}
+    assert {path.resolve() for path in paged_kernel._CSRC.iterdir()} == hashed
+
+
+def test_cache_key_changes_with_a_header(tmp_path: Path, monkeypatch):
+    copy = tmp_path / "convert.h"
+    copy.write_text(paged_kernel._HEADERS[0].read_text())
+    monkeypatch.setattr(paged_kernel, "_HEADERS", (copy,))
+    before = paged_kernel.build_directory()
+    copy.write_text(copy.read_text() + "\n// changed\n")
+    assert paged_kernel.build_directory() != before
 
 
 def reference(q, pool, tables, sequences, window, scale):
@@ -46,8 +72,9 @@ def reference(q, pool, tables, sequences, window, scale):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("window", [0, 7])
 @pytest.mark.parametrize(("heads", "kv_heads", "block_size"), [(8, 2, 4), (4, 4, 16), (6, 3, 32)])
-# 40 and 48: head sizes off the GEMM's 32-column register blocks (a 16-column and a scalar tail).
-@pytest.mark.parametrize("head_dim", [32, 40, 48, 64])
+# 40 and 48: head sizes off the GEMM's 32-column register blocks (a 16-column and a scalar tail);
+# 36 also off the key tile's 8 x 8 transposition blocks (4 dimensions element-wise).
+@pytest.mark.parametrize("head_dim", [32, 36, 40, 48, 64])
 def test_kernel_matches_naive_attention(dtype, window, heads, kv_heads, block_size, head_dim):
     assert paged_kernel.load(), "the paged kernel did not build (see test_kernel_builds)"
     rng = random.Random(heads * block_size + window)
@@ -179,13 +206,16 @@ def test_kernel_prefill_cascade(dtype, heads, kv_heads, block_size, seed):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_kernel_gives_the_same_output_on_two_threads(dtype):
+# (36, 4): key tiles whose transposition (8 x 8 blocks in registers) has a dimension tail
+# and, in a chunk of fewer than 256 keys, a group of fewer than 8 keys, done element-wise.
+@pytest.mark.parametrize(("head_dim", "block_size"), [(32, 16), (36, 4)])
+def test_kernel_gives_the_same_output_on_two_threads(dtype, head_dim, block_size):
     """Work items are taken from a shared counter by whichever thread is free: every item
     is still computed whole by one thread, so two threads give one thread's output exactly
     (a long causal prompt, shared-prefix chunks and decodes, a lone decode)."""
     assert paged_kernel.load(), "the paged kernel did not build (see test_kernel_builds)"
     rng = random.Random(5)
-    heads, kv_heads, head_dim, block_size, num_blocks = 8, 4, 32, 16, 200
+    heads, kv_heads, num_blocks = 8, 4, 200 * 16 // block_size
     pool = torch.randn(num_blocks, block_size, 2 * kv_heads, head_dim).to(dtype)
     free = rng.sample(range(num_blocks), num_blocks)
     prefix = [free.pop() for _ in range(6)]

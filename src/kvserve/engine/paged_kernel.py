@@ -23,9 +23,11 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-_SOURCES = tuple(
-    Path(__file__).parent / "csrc" / name for name in ("paged_attention.cpp", "norm_rope.cpp")
-)
+_CSRC = Path(__file__).parent / "csrc"
+_SOURCES = tuple(_CSRC / name for name in ("paged_attention.cpp", "norm_rope.cpp"))
+# Every file the build reads: the sources and the headers they include (``convert.h``), all
+# hashed into the cache key below so a changed header makes a new build.
+_HEADERS = (_CSRC / "convert.h",)
 # The compiler flags are part of the cache key (through the hash below). ``-fopenmp`` makes
 # ``at::parallel_for`` (header code, compiled here) run on torch's OpenMP threads: without
 # it the kernel ran on one thread whatever ``--threads`` said (on 2 threads its share of a
@@ -49,7 +51,7 @@ def build_directory() -> Path:
     key = hashlib.sha256(
         "\0".join(
             [
-                *(source.read_text() for source in _SOURCES),
+                *(source.read_text() for source in (*_SOURCES, *_HEADERS)),
                 torch.__version__,
                 " ".join(_CFLAGS),
                 _cpu_signature(),

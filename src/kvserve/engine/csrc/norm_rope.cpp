@@ -15,34 +15,15 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <cstring>
 #include <optional>
 #include <vector>
 
+#include "convert.h"
+
 namespace {
 
-// float64 (dispatched with the others, never a model's dtype) is computed in float32 too.
-inline float load(double x) { return static_cast<float>(x); }
-inline float load(float x) { return x; }
-inline float load(c10::Half x) { return static_cast<float>(x); }
-inline float load(c10::BFloat16 x) {
-  const uint32_t bits = static_cast<uint32_t>(x.x) << 16;
-  float value;
-  std::memcpy(&value, &bits, sizeof value);
-  return value;
-}
-
-inline void store(double* out, float x) { *out = x; }
-inline void store(float* out, float x) { *out = x; }
-inline void store(c10::Half* out, float x) { *out = c10::Half(x); }
-// Round to nearest even, as torch's own float -> bf16 conversion (finite values: the build
-// assumes no NaNs), written so the compiler vectorizes it.
-inline void store(c10::BFloat16* out, float x) {
-  uint32_t bits;
-  std::memcpy(&bits, &x, sizeof bits);
-  bits += 0x7FFFu + ((bits >> 16) & 1u);
-  out->x = static_cast<uint16_t>(bits >> 16);
-}
+using kvserve::store;
+using kvserve::to_float;
 
 // Rows of this many elements or more per thread: smaller ops run on one thread, where
 // waking a sibling costs more than the split saves (decode steps' 16 rows).
@@ -60,10 +41,10 @@ inline float inverse_rms(const float* row, int64_t dim, float eps) {
 template <typename T>
 void norm_row(const T* src, const T* weight, T* dst, int64_t dim, float eps, float* row) {
 #pragma omp simd
-  for (int64_t i = 0; i < dim; ++i) row[i] = load(src[i]);
+  for (int64_t i = 0; i < dim; ++i) row[i] = to_float(src[i]);
   const float scale = inverse_rms(row, dim, eps);
 #pragma omp simd
-  for (int64_t i = 0; i < dim; ++i) store(dst + i, row[i] * scale * load(weight[i]));
+  for (int64_t i = 0; i < dim; ++i) store(dst + i, row[i] * scale * to_float(weight[i]));
 }
 
 // One head in place: normalized when `weight` is given, then rotated.
@@ -72,16 +53,16 @@ void norm_rope_row(T* x, const T* weight, const T* cos, const T* sin, int64_t he
                    float eps, float* row) {
   const int64_t half = head_dim / 2;
 #pragma omp simd
-  for (int64_t i = 0; i < head_dim; ++i) row[i] = load(x[i]);
+  for (int64_t i = 0; i < head_dim; ++i) row[i] = to_float(x[i]);
   if (weight != nullptr) {
     const float scale = inverse_rms(row, head_dim, eps);
 #pragma omp simd
-    for (int64_t i = 0; i < head_dim; ++i) row[i] = row[i] * scale * load(weight[i]);
+    for (int64_t i = 0; i < head_dim; ++i) row[i] = row[i] * scale * to_float(weight[i]);
   }
 #pragma omp simd
   for (int64_t i = 0; i < half; ++i) {
-    store(x + i, row[i] * load(cos[i]) + row[i + half] * load(sin[i]));
-    store(x + i + half, row[i + half] * load(cos[i + half]) + row[i] * load(sin[i + half]));
+    store(x + i, row[i] * to_float(cos[i]) + row[i + half] * to_float(sin[i]));
+    store(x + i + half, row[i + half] * to_float(cos[i + half]) + row[i] * to_float(sin[i + half]));
   }
 }
 

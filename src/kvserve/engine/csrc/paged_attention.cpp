@@ -31,28 +31,45 @@
 #include <utility>
 #include <vector>
 
+#include "convert.h"
+
 #if defined(__AVX512BF16__)
 #include <immintrin.h>
 #endif
 
 namespace {
 
-// Storage element to float. bf16 is the top half of a float: a shift the compiler
-// vectorizes inside the dot products (c10's conversion operator is not vectorized there).
-inline float to_float(float x) { return x; }
-inline float to_float(c10::Half x) { return static_cast<float>(x); }
-inline float to_float(c10::BFloat16 x) {
-  const uint32_t bits = static_cast<uint32_t>(x.x) << 16;
-  float value;
-  std::memcpy(&value, &bits, sizeof value);
-  return value;
-}
+using kvserve::bf16_bits;
+using kvserve::to_float;
 
 constexpr int64_t kQueryTile = 32;   // new tokens per work item
 constexpr int64_t kKeyChunk = 256;   // keys per GEMM (whole blocks; at least one block)
 // Built with -ffast-math (vectorized exp), which assumes no infinities: a finite floor
 // stands for "masked" and "no score yet". Every row sees at least one key.
 constexpr float kMasked = -1e30f;
+
+// One step of the online softmax for one row: folds the scores s[low, high) of a new run of
+// keys into the row's running max and sum, turning those scores into their (unnormalized)
+// weights in place and rescaling the row's output accumulator acc[head_dim] to the new max.
+// Scores outside [low, high) are left alone. Used by every path: per block by the direct
+// ones, per key chunk by the GEMM one.
+inline void online_softmax_step(float* s, int64_t low, int64_t high, float& row_max,
+                                float& row_sum, float* acc, int64_t head_dim) {
+  float step_max = kMasked;
+  for (int64_t j = low; j < high; ++j) step_max = std::max(step_max, s[j]);
+  const float new_max = std::max(row_max, step_max);
+  const float correction = std::exp(row_max - new_max);
+  float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t j = low; j < high; ++j) {
+    s[j] = std::exp(s[j] - new_max);
+    sum += s[j];
+  }
+#pragma omp simd
+  for (int64_t d = 0; d < head_dim; ++d) acc[d] *= correction;
+  row_sum = row_sum * correction + sum;
+  row_max = new_max;
+}
 
 #if defined(__AVX512F__)
 // On CPUs with AVX-512 the GEMMs are written out here instead of called from BLAS: torch's
@@ -135,13 +152,6 @@ void gemm_nn(int64_t rows, int64_t cols, int64_t inner, const float* a, int64_t 
 // are copied as bf16 (half the bytes of the float tiles, no conversion). Scores are the exact
 // products of the stored values, summed in float32; the softmax weights are rounded to bf16
 // for the P V product, as torch's own CPU attention does in bf16.
-
-// float32 to bf16 bits, rounding to nearest even (finite values: the build assumes no NaNs).
-inline uint16_t bf16_bits(float x) {
-  uint32_t bits;
-  std::memcpy(&bits, &x, sizeof bits);
-  return static_cast<uint16_t>((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);
-}
 
 // c[R][16 V] (+)= a[R][pairs] . b[pairs][16 V], all in registers.
 template <int R, int V>
@@ -234,34 +244,21 @@ void attend_rows_direct(const float* query, int64_t rows, int64_t group,
       if (low >= high) continue;
       const float* qr = query + r * head_dim;
       float* s = scores + r * block_size;
-      float block_max = kMasked;
       for (int64_t j = low; j < high; ++j) {
         const scalar_t* k = slots + j * slot_stride + kv_head * head_dim;
         float dot = 0.0f;
 #pragma omp simd reduction(+ : dot)
         for (int64_t d = 0; d < head_dim; ++d) dot += qr[d] * to_float(k[d]);
         s[j] = dot;
-        block_max = std::max(block_max, dot);
       }
-      const float new_max = std::max(row_max[r], block_max);
-      const float correction = std::exp(row_max[r] - new_max);
       float* a = acc + r * head_dim;
-#pragma omp simd
-      for (int64_t d = 0; d < head_dim; ++d) a[d] *= correction;
-      float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-      for (int64_t j = low; j < high; ++j) {
-        s[j] = std::exp(s[j] - new_max);
-        sum += s[j];
-      }
+      online_softmax_step(s, low, high, row_max[r], row_sum[r], a, head_dim);
       for (int64_t j = low; j < high; ++j) {
         const float p = s[j];
         const scalar_t* v = slots + j * slot_stride + (kv_heads + kv_head) * head_dim;
 #pragma omp simd
         for (int64_t d = 0; d < head_dim; ++d) a[d] += p * to_float(v[d]);
       }
-      row_sum[r] = row_sum[r] * correction + sum;
-      row_max[r] = new_max;
     }
   }
 }
@@ -285,22 +282,11 @@ void online_softmax_chunk(int64_t rows, int64_t keys, int64_t key_start, int64_t
       std::fill(s, s + keys, 0.0f);
       continue;
     }
-    float chunk_max = kMasked;
-    for (int64_t j = low; j < high; ++j) chunk_max = std::max(chunk_max, s[j]);
-    const float new_max = std::max(buf.row_max[r], chunk_max);
-    const float correction = std::exp(buf.row_max[r] - new_max);
-    float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-    for (int64_t j = 0; j < keys; ++j) {
-      const float p = (j >= low && j < high) ? std::exp(s[j] - new_max) : 0.0f;
-      s[j] = p;
-      sum += p;
-    }
-    buf.row_sum[r] = buf.row_sum[r] * correction + sum;
-    buf.row_max[r] = new_max;
-    float* a = buf.acc.data() + r * head_dim;
-#pragma omp simd
-    for (int64_t d = 0; d < head_dim; ++d) a[d] *= correction;
+    // The P V product runs over the whole chunk: keys the row may not see weigh 0.
+    std::fill(s, s + low, 0.0f);
+    std::fill(s + high, s + keys, 0.0f);
+    online_softmax_step(s, low, high, buf.row_max[r], buf.row_sum[r],
+                        buf.acc.data() + r * head_dim, head_dim);
   }
 }
 
@@ -366,6 +352,69 @@ void attend_rows_gemm_bf16(int64_t rows, const c10::BFloat16* pool, int64_t bloc
 }
 #endif
 
+// The key tile's transposition, 8 keys x 8 dimensions at a time in registers: each key's 8
+// values loaded as one vector, the 8 x 8 block transposed by shuffles (GCC's generic
+// vectors: AVX2 or AVX-512 instructions, whichever the build targets), each dimension's 8
+// keys stored as one vector. One element at a time, the copy was a load and a store per
+// float. A group's last keys (fewer than 8) and dimensions past the last multiple of 8 go
+// element by element.
+typedef float Vec8 __attribute__((vector_size(32), aligned(4)));
+typedef int32_t Lanes8 __attribute__((vector_size(32)));
+
+template <typename scalar_t>
+inline Vec8 load8(const scalar_t* src) {
+  Vec8 v;
+  if constexpr (std::is_same_v<scalar_t, float>) {
+    std::memcpy(&v, src, sizeof v);
+  } else {
+    for (int i = 0; i < 8; ++i) v[i] = to_float(src[i]);
+  }
+  return v;
+}
+
+// out[i] = column i of the 8 x 8 block whose rows are r[0..7].
+inline void transpose8(const Vec8 (&r)[8], Vec8 (&out)[8]) {
+  const Lanes8 low{0, 8, 1, 9, 4, 12, 5, 13}, high{2, 10, 3, 11, 6, 14, 7, 15};
+  const Lanes8 low_pairs{0, 1, 8, 9, 4, 5, 12, 13}, high_pairs{2, 3, 10, 11, 6, 7, 14, 15};
+  const Lanes8 low_halves{0, 1, 2, 3, 8, 9, 10, 11}, high_halves{4, 5, 6, 7, 12, 13, 14, 15};
+  Vec8 t[8], u[8];
+  for (int i = 0; i < 8; i += 2) {
+    t[i] = __builtin_shuffle(r[i], r[i + 1], low);       // rows i, i+1: columns 0 1 | 4 5
+    t[i + 1] = __builtin_shuffle(r[i], r[i + 1], high);  // columns 2 3 | 6 7
+  }
+  for (int i = 0; i < 8; i += 4) {
+    u[i] = __builtin_shuffle(t[i], t[i + 2], low_pairs);  // rows i..i+3: column 0 | 4
+    u[i + 1] = __builtin_shuffle(t[i], t[i + 2], high_pairs);      // column 1 | 5
+    u[i + 2] = __builtin_shuffle(t[i + 1], t[i + 3], low_pairs);   // column 2 | 6
+    u[i + 3] = __builtin_shuffle(t[i + 1], t[i + 3], high_pairs);  // column 3 | 7
+  }
+  for (int k = 0; k < 4; ++k) {
+    out[k] = __builtin_shuffle(u[k], u[k + 4], low_halves);
+    out[k + 4] = __builtin_shuffle(u[k], u[k + 4], high_halves);
+  }
+}
+
+// dst[d * ld + j] = rows[j][d] for `count` keys (at most 16) and head_dim dimensions.
+template <typename scalar_t>
+inline void transpose_keys(const scalar_t* const* rows, int64_t count, int64_t head_dim,
+                           float* dst, int64_t ld) {
+  int64_t j = 0;
+  for (; j + 8 <= count; j += 8) {
+    int64_t d = 0;
+    for (; d + 8 <= head_dim; d += 8) {
+      Vec8 r[8], columns[8];
+      for (int i = 0; i < 8; ++i) r[i] = load8(rows[j + i] + d);
+      transpose8(r, columns);
+      for (int i = 0; i < 8; ++i) std::memcpy(dst + (d + i) * ld + j, &columns[i], sizeof(Vec8));
+    }
+    for (; d < head_dim; ++d)
+      for (int64_t i = 0; i < 8; ++i) dst[d * ld + j + i] = to_float(rows[j + i][d]);
+  }
+  if (j < count)
+    for (int64_t d = 0; d < head_dim; ++d)
+      for (int64_t i = j; i < count; ++i) dst[d * ld + i] = to_float(rows[i][d]);
+}
+
 // Many rows (prefill tiles, shared prefixes): keys a chunk of whole blocks at a time into a
 // float tile that stays in cache, both products as GEMMs on it. Blocks [first_block,
 // end_block) of `table`; visible(r, key_start, keys) gives the chunk's keys [low, high)
@@ -405,10 +454,7 @@ void attend_rows_gemm(int64_t rows, const scalar_t* pool, int64_t block_size,
     // one cache line (a key at a time wrote head_dim lines per key).
     for (int64_t first = 0; first < keys; first += 16) {
       const int64_t group = std::min<int64_t>(16, keys - first);
-      for (int64_t d = 0; d < head_dim; ++d) {
-        float* kd = buf.keys.data() + d * keys + first;
-        for (int64_t j = 0; j < group; ++j) kd[j] = to_float(key_rows[first + j][d]);
-      }
+      transpose_keys(key_rows.data() + first, group, head_dim, buf.keys.data() + first, keys);
     }
     float* scores = buf.scores.data();
     gemm_nn(rows, keys, head_dim, buf.query.data(), head_dim, buf.keys.data(), keys, scores, keys,
@@ -531,24 +577,9 @@ void attend_decode(const scalar_t* q, int64_t q_head_stride, const scalar_t* poo
         scores[h * block_size + j] = dot;
       }
     }
-    for (int64_t h = 0; h < heads; ++h) {
-      float* s = scores + h * block_size;
-      float block_max = kMasked;
-      for (int64_t j = low; j < high; ++j) block_max = std::max(block_max, s[j]);
-      const float new_max = std::max(buf.row_max[h], block_max);
-      const float correction = std::exp(buf.row_max[h] - new_max);
-      float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-      for (int64_t j = low; j < high; ++j) {
-        s[j] = std::exp(s[j] - new_max);
-        sum += s[j];
-      }
-      float* a = buf.acc.data() + h * head_dim;
-#pragma omp simd
-      for (int64_t d = 0; d < head_dim; ++d) a[d] *= correction;
-      buf.row_sum[h] = buf.row_sum[h] * correction + sum;
-      buf.row_max[h] = new_max;
-    }
+    for (int64_t h = 0; h < heads; ++h)
+      online_softmax_step(scores + h * block_size, low, high, buf.row_max[h], buf.row_sum[h],
+                          buf.acc.data() + h * head_dim, head_dim);
     for (int64_t j = low; j < high; ++j) {
       const scalar_t* values = slots + j * slot_stride + kv_heads * head_dim;
       for (int64_t h = 0; h < heads; ++h) {
