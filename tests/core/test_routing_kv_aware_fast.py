@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvserve.core.kv_events import KVEvent
-from kvserve.core.routing import kv_aware, kv_index
+from kvserve.core.routing import kv_index
 from kvserve.core.routing.kv_aware import (
     SMALL_FLEET,
     KvAwareConfig,
@@ -216,12 +216,6 @@ def test_the_lightest_queue_is_found_behind_a_drained_worker_further_in_both_ord
     assert routing.best(loads, [], 10, BLOCK, now=0.5).worker_id == "c"
 
 
-# a large group searched in the arrays (no walk), walked in the load orders (never past
-# the steps: none left for the arrays), or walked for a few steps, then searched
-GROUP_SEARCHES = [(0, 1), (10**6, 10**6), (4, 3)]
-
-
-@pytest.mark.parametrize(("walk_steps", "walk_share"), GROUP_SEARCHES)
 @settings(max_examples=150, deadline=None)
 @given(
     fleet=st.lists(shared, min_size=20, max_size=80),
@@ -229,11 +223,7 @@ GROUP_SEARCHES = [(0, 1), (10**6, 10**6), (4, 3)]
     now=st.floats(0.0, 0.8),
 )
 def test_a_large_group_of_holders_reduces_to_its_lightest(
-    walk_steps: int,
-    walk_share: int,
-    fleet: list[tuple[int, int, int, float | None, int]],
-    prompt_blocks: int,
-    now: float,
+    fleet: list[tuple[int, int, int, float | None, int]], prompt_blocks: int, now: float
 ) -> None:
     """Groups of tens of holders sharing one match, their lightest found from the load
     terms the load order keeps: the choice is still the reference's."""
@@ -243,13 +233,9 @@ def test_a_large_group_of_holders_reduces_to_its_lightest(
             for requests, tokens, depth, queued, others in fleet
         ]
     )
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(kv_aware, "GROUP_WALK_STEPS", walk_steps)
-        patch.setattr(kv_aware, "GROUP_WALK_SHARE", walk_share)
-        assert_fast_equals_exhaustive(routing, loads, PROMPT[:prompt_blocks], now)
+    assert_fast_equals_exhaustive(routing, loads, PROMPT[:prompt_blocks], now)
 
 
-@pytest.mark.parametrize(("walk_steps", "walk_share"), GROUP_SEARCHES)
 @settings(max_examples=150, deadline=None)
 @given(
     fleet=st.lists(shared, min_size=20, max_size=80),
@@ -258,8 +244,6 @@ def test_a_large_group_of_holders_reduces_to_its_lightest(
     left_out=st.sets(st.integers(0, 79), max_size=60),
 )
 def test_a_large_group_reduces_to_its_lightest_eligible_holder(
-    walk_steps: int,
-    walk_share: int,
     fleet: list[tuple[int, int, int, float | None, int]],
     prompt_blocks: int,
     now: float,
@@ -274,10 +258,7 @@ def test_a_large_group_reduces_to_its_lightest_eligible_holder(
         ]
     )
     workers = [w for i, w in enumerate(loads) if i not in left_out] or loads[:1]
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(kv_aware, "GROUP_WALK_STEPS", walk_steps)
-        patch.setattr(kv_aware, "GROUP_WALK_SHARE", walk_share)
-        assert_fast_equals_exhaustive(routing, workers, PROMPT[:prompt_blocks], now)
+    assert_fast_equals_exhaustive(routing, workers, PROMPT[:prompt_blocks], now)
 
 
 def test_the_lightest_holders_left_out_of_a_large_group_are_passed_over() -> None:

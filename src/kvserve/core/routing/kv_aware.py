@@ -105,13 +105,6 @@ SMALL_FLEET = 16
 # Holders sharing one match: up to this many are listed and scanned; more are searched
 # in LoadOrder's arrays (a fixed cost of a few array operations, cheaper past this)
 GROUP_SCAN = 16
-# A larger group that is at least 1/GROUP_WALK_SHARE of the known workers is first looked
-# for in the load orders (as the lightest non-holders are), up to GROUP_WALK_STEPS entries
-# of each: most of the fleet holds it (a system prompt speculated wherever it was routed
-# on a fleet of ~100), so a member comes within a few steps, cheaper than the arrays'
-# fixed cost; past that many steps the arrays search it
-GROUP_WALK_SHARE = 4
-GROUP_WALK_STEPS = 8
 
 
 class _Either:
@@ -560,15 +553,8 @@ class KvAwareRouting:
         listed (of those tied, one stays, chosen by the request's tie key, as for the
         lightest non-holders: a tie of a large group breaks among the candidates).
         """
-        size = members.bit_count()
-        if size > GROUP_SCAN:
-            loads = self.loads
-            if size * GROUP_WALK_SHARE >= len(loads.known):  # much of the fleet: walk first
-                steps = GROUP_WALK_STEPS
-                found = loads.lightest_of_group(members, len(TIERS), eligible, now, tie_key, steps)
-                if found is not None:
-                    return list(found)
-            return loads.lightest_of_slots(members, len(TIERS), eligible, now, tie_key)
+        if members.bit_count() > GROUP_SCAN:
+            return self.loads.lightest_of_slots(members, len(TIERS), eligible, now, tie_key)
         group = [w for w in self.index.members(members) if w in eligible]
         return group if len(group) < 3 else self.loads.lightest_among(group, now)
 

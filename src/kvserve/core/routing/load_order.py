@@ -307,35 +307,6 @@ class LoadOrder:
                     break
         return found
 
-    def lightest_of_group(
-        self,
-        first_bits: int,
-        bits_per_slot: int,
-        eligible: Container[str],
-        now: float,
-        tie_key: int,
-        steps: int,
-    ) -> set[str] | None:
-        """:meth:`lightest` for a group given as slots' first bits: the first eligible
-        member met in each order, the lightest's term among them. None where an order
-        holds one past its first ``steps`` entries (then :meth:`lightest_of_slots`
-        searches the group): a walk is cheap where the group is much of the fleet, and
-        long where its members sit behind many lighter others."""
-        self._refresh()
-        self._advance(now)
-        loads = self._loads
-        found: set[str] = set()
-        for order in (self._by_guarded, self._drained, self._queued):
-            for step, (_, worker_id) in enumerate(order.ascending(tie_key)):
-                if step == steps:
-                    return None
-                if first_bits >> loads[worker_id].slot * bits_per_slot & 1 and (
-                    worker_id in eligible
-                ):
-                    found.add(worker_id)
-                    break
-        return found
-
     def lightest_of_slots(
         self,
         first_bits: int,
