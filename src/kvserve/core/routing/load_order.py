@@ -25,6 +25,9 @@ Entries equal in key are visited from an offset chosen by the request's tie key,
 that the misses of an idle fleet spread over all of it instead of the first workers by
 name, and every replica holding the same loads picks the same.
 
+Each worker's entry (:class:`LoadEntry`) is the one place its load terms are kept: the
+orders, the heap and the arrays are drawn from it, and kv_aware's predictions read it.
+
 A change of load is written to the worker's entry at once, and to the orders, the heap
 and the arrays only when a search next reads them: a fleet small enough to be predicted
 whole never searches, and paid ~3 µs a decision keeping them (a queue end pushed, two
