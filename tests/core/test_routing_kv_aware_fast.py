@@ -15,6 +15,7 @@ from kvserve.core.routing.kv_aware import (
     SMALL_FLEET,
     KvAwareConfig,
     KvAwareRouting,
+    _ttft,
     lowest_ttft,
     predict,
 )
@@ -358,3 +359,36 @@ def test_decisions_in_a_row_stay_exact_as_their_records_and_loads_change(
         i = changed % len(loads)
         loads[i] = WorkerLoad(loads[i].worker_id, requests, 400 * requests)
         routing.loads.update(loads[i])
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    fleet=st.lists(worker, min_size=1, max_size=12),
+    prompt_blocks=st.integers(0, 12),
+    now=st.floats(0.0, 0.8),
+    changed=st.lists(
+        st.tuples(st.integers(0, 4), st.integers(0, 3000), st.integers(0, 5000)), max_size=12
+    ),
+)
+def test_predictions_from_the_kept_load_terms_equal_the_reference_bit_for_bit(
+    fleet: list[tuple[int, int, list[tuple[int, str, bool]], float | None, int, int]],
+    prompt_blocks: int,
+    now: float,
+    changed: list[tuple[int, int, int]],
+) -> None:
+    """The load terms are kept once, in :class:`LoadOrder`'s entries; a prediction from
+    them is the reference's float exactly, for the loads it was told of and for load
+    objects it sees first in a decision (new values it learns there)."""
+    routing, loads = build(fleet)
+    for i, (requests, tokens, others) in enumerate(changed[: len(loads)]):
+        loads[i] = WorkerLoad(loads[i].worker_id, requests, tokens, 1.0, others)
+    hashes = PROMPT[:prompt_blocks]
+    matches = routing.index.match(hashes, [w.worker_id for w in loads], now)
+    # no prompt tokens: the prediction is the load term alone, no addition to hide its
+    # last bit
+    for tokens in (len(hashes) * BLOCK + 7, 0, len(hashes) * BLOCK + 7):  # learnt, read back
+        scored = routing._score([(w, matches[w.worker_id]) for w in loads], tokens, BLOCK, now)
+        for w, ttft, cached in scored:
+            queued = routing.queue.queued_s(w.worker_id, now)
+            assert (ttft, cached) == _ttft(w, matches[w.worker_id], tokens, BLOCK, queued, CONFIG)
+            assert routing.loads.entries[w.worker_id].load is w

@@ -208,31 +208,6 @@ class KvAwareChoice:
         return self.prediction.worker.worker_id
 
 
-class LoadTerms:
-    """Each worker's TTFT terms that depend on its load alone, in seconds (prefill its
-    guards hold, in-flight requests, prefill other replicas reported; see
-    :func:`_load_term`), computed once per :class:`WorkerLoad` object rather than per
-    decision: the router's tracker keeps one object per worker until its guards change,
-    so the object is the terms' version, and a new one is computed anew."""
-
-    def __init__(self, config: KvAwareConfig) -> None:
-        self._config = config
-        self.kept: dict[str, tuple[WorkerLoad, float, float, float]] = {}
-
-    def learn(self, worker: WorkerLoad) -> tuple[WorkerLoad, float, float, float]:
-        config = self._config
-        entry = self.kept[worker.worker_id] = (
-            worker,
-            config.prefill_s(worker.in_flight_prefill_tokens),
-            worker.in_flight_requests * config.decode_request_s,
-            config.prefill_s(worker.others_prefill_tokens),
-        )
-        return entry
-
-    def forget(self, worker_id: str) -> None:
-        self.kept.pop(worker_id, None)
-
-
 class PrefillQueue:
     """When each worker will be done with the prefills this policy sent it (predicted).
 
@@ -314,10 +289,12 @@ def _prompt_terms(
 
 
 def _load_term(worker: WorkerLoad, queued_s: float, config: KvAwareConfig) -> float:
-    """The part of a worker's predicted TTFT that does not depend on the prompt."""
-    return (
-        min(queued_s, config.prefill_s(worker.in_flight_prefill_tokens))
-        + worker.in_flight_requests * config.decode_request_s
+    """The part of a worker's predicted TTFT that does not depend on the prompt: the
+    queued prefill, then the terms that change only with the guards, summed first (the
+    expression :class:`LoadOrder` keeps, so that predictions from its terms are these
+    floats bit for bit)."""
+    return min(queued_s, config.prefill_s(worker.in_flight_prefill_tokens)) + (
+        worker.in_flight_requests * config.decode_request_s
         + config.prefill_s(worker.others_prefill_tokens)
     )
 
@@ -427,7 +404,6 @@ class KvAwareRouting:
         self.index = index if index is not None else KVBlockIndex(config.index_max_entries)
         self.loads = LoadOrder(config.prefill_s, config.decode_request_s, self.index.slot)
         self.queue = PrefillQueue(self.loads)
-        self.terms = LoadTerms(config)
         self.future = FutureCost(HolderPressure(config.retention_margin, config.retention_window_s))
         self.salt: ReplicaSalt | None = None
         self.small_fleet = SMALL_FLEET  # fleets up to this size are predicted whole
@@ -489,17 +465,18 @@ class KvAwareRouting:
         now: float,
     ) -> list[tuple[WorkerLoad, float, int]]:
         """Each candidate's (worker, TTFT, cached tokens), the same floats as
-        :func:`_ttft`'s: the load terms kept per worker (:class:`LoadTerms`), the prompt's
-        terms computed once per match (workers sharing a match share its object)."""
-        kept, ends = self.terms.kept, self.queue.ends
+        :func:`_ttft`'s: the load terms :class:`LoadOrder` keeps per worker (computed
+        again only from a load object it was not given), the prompt's terms computed
+        once per match (workers sharing a match share its object)."""
+        entries, ends = self.loads.entries, self.queue.ends
         by_match: dict[int, tuple[float, float, int]] = {}
         scored: list[tuple[WorkerLoad, float, int]] = []
         for worker, match in candidates:
             worker_id = worker.worker_id
-            entry = kept.get(worker_id)
-            if entry is None or entry[0] is not worker:
-                entry = self._learn(worker)
-            _, guarded_s, requests_s, others_s = entry
+            entry = entries.get(worker_id)
+            if entry is None or entry.load is not worker:
+                entry = self.loads.update(worker)
+            guarded_s = entry.guarded_s
             queued_s = ends.get(worker_id, now) - now
             if queued_s <= 0.0:
                 queued_s = 0.0
@@ -508,16 +485,9 @@ class KvAwareRouting:
                 prompt = by_match[id(match)] = _prompt_terms(
                     match, prompt_tokens, block_size, self.config
                 )
-            term = (queued_s if queued_s < guarded_s else guarded_s) + requests_s + others_s
+            term = (queued_s if queued_s < guarded_s else guarded_s) + entry.fixed_s
             scored.append((worker, term + prompt[0] + prompt[1], prompt[2]))
         return scored
-
-    def _learn(self, worker: WorkerLoad) -> tuple[WorkerLoad, float, float, float]:
-        """``worker``'s load terms from a load object not seen before; a worker not seen
-        at all also joins the load orders (which a larger fleet's decisions search)."""
-        if worker.worker_id not in self.loads.known:
-            self.loads.update(worker)
-        return self.terms.learn(worker)
 
     def _candidates(
         self, workers: Sequence[WorkerLoad], block_hashes: Sequence[int], now: float, tie_key: int
@@ -621,6 +591,5 @@ class KvAwareRouting:
     def forget_worker(self, worker_id: str) -> None:
         self.index.remove_worker(worker_id)
         self.queue.forget(worker_id)
-        self.terms.forget(worker_id)
         self.future.forget(worker_id)
         self.loads.remove(worker_id)

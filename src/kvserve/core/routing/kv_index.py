@@ -109,8 +109,12 @@ class KVBlockIndex:
         self._free_slots: list[int] = []  # of removed workers, all their bits cleared
         self._first_bits = 0  # the lowest bit of every slot's group, for collapsing tiers
         self._holders: dict[int, int] = {}  # hash -> mask of (worker slot, tier) bits
-        # (worker, tier) -> hashes, so that ``cleared`` and worker removal are O(held)
-        self._held: dict[tuple[str, str], set[int]] = {}
+        # (worker, tier) -> hashes, so that ``cleared`` and worker removal are O(held);
+        # each a dict of hash -> None rather than a set: a set is always tracked by the
+        # cyclic collector, and a full collection walked every entry of every worker's
+        # (175 ms at 1,000 workers x 10^4 blocks, seconds at 10^5), while a dict of ints
+        # is never tracked
+        self._held: dict[tuple[str, str], dict[int, None]] = {}
         # worker -> hash -> deadline; the heap orders deadlines for cleanup
         self._speculative: dict[str, dict[int, float]] = {}
         self._speculative_holders = SpeculativeMasks()  # hash -> first bits of its workers
@@ -191,7 +195,7 @@ class KVBlockIndex:
             raise ValueError(f"unknown KV tier {tier!r}; expected one of {TIERS}")
         bit = _bit(self._slot(worker_id), tier)
         holders = self._holders
-        held = self._held.setdefault((worker_id, tier), set())
+        held = self._held.setdefault((worker_id, tier), {})
         pending = self._speculative.get(worker_id)
         recency = self._recency
         for block_hash in block_hashes:
@@ -199,7 +203,7 @@ class KVBlockIndex:
             if not mask & bit:
                 holders[block_hash] = _compact(mask | bit)
                 self.num_entries += 1
-            held.add(block_hash)
+            held[block_hash] = None
             if recency is not None:
                 recency[block_hash] = None
                 recency.move_to_end(block_hash)
@@ -223,7 +227,7 @@ class KVBlockIndex:
                 slot, tier = divmod(low.bit_length() - 1, len(TIERS))
                 worker_id = self._slot_workers[slot]
                 assert worker_id is not None, "a free slot holds no bits"
-                self._held[(worker_id, TIERS[tier])].discard(block_hash)
+                self._held[(worker_id, TIERS[tier])].pop(block_hash, None)
                 mask ^= low
 
     def _remove(self, worker_id: str, tier: str, block_hashes: Iterable[int]) -> None:
@@ -233,7 +237,7 @@ class KVBlockIndex:
         bit = _bit(self._slots[worker_id], tier)
         for block_hash in block_hashes:
             if block_hash in held:
-                held.discard(block_hash)
+                del held[block_hash]
                 self._drop_bit(block_hash, bit)
 
     def _clear(self, worker_id: str, tier: str) -> None:
@@ -413,7 +417,7 @@ class KVBlockIndex:
         assert worker_id is not None, "a free slot holds no bits"
         on_device = self._held.get((worker_id, "device"), ())
         off, end = 0, len(block_hashes)
-        elsewhere: list[set[int]] | None = None  # its host and storage blocks, if needed
+        elsewhere: list[dict[int, None]] | None = None  # its host and storage blocks, if needed
         while True:
             depth += _run_length(on_device.__contains__, block_hashes, depth)
             if depth == end:
@@ -429,7 +433,7 @@ class KVBlockIndex:
             elif block_hash in pending:
                 length = _run_length(pending.__contains__, block_hashes, depth)
                 run = block_hashes[depth : depth + length]
-                if not all(blocks.isdisjoint(run) for blocks in elsewhere):
+                if not all(blocks.keys().isdisjoint(run) for blocks in elsewhere):
                     off = first_bit
                 depth += length
             else:

@@ -25,6 +25,9 @@ Entries equal in key are visited from an offset chosen by the request's tie key,
 that the misses of an idle fleet spread over all of it instead of the first workers by
 name, and every replica holding the same loads picks the same.
 
+Each worker's entry (:class:`LoadEntry`) is the one place its load terms are kept: the
+orders, the heap and the arrays are drawn from it, and kv_aware's predictions read it.
+
 A change of load is written to the worker's entry at once, and to the orders, the heap
 and the arrays only when a search next reads them: a fleet small enough to be predicted
 whole never searches, and paid ~3 µs a decision keeping them (a queue end pushed, two
@@ -37,7 +40,7 @@ from __future__ import annotations
 
 import bisect
 import heapq
-from collections.abc import Callable, Container, Iterable, Iterator, KeysView
+from collections.abc import Callable, Container, Iterable, Iterator, KeysView, Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -91,10 +94,17 @@ class _Order:
 
 
 @dataclass(slots=True)
-class _Load:
-    fixed_s: float
-    guarded_s: float
-    done_at: float
+class LoadEntry:
+    """One worker's load terms, the only place they are kept: the orders, the heap and
+    the arrays are drawn from these, and kv_aware's predictions read them
+    (``KvAwareRouting._score``). ``load`` is the :class:`WorkerLoad` they were computed
+    from: the router's tracker keeps one object per worker until its guards change, so
+    the object is their version."""
+
+    load: WorkerLoad
+    fixed_s: float  # in-flight requests x decode_request_s + others' prefill seconds
+    guarded_s: float  # prefill seconds the guards hold
+    done_at: float  # this policy's predicted end of the prefill it queued there
     sort_key: tuple[int, int]
     slot: int
 
@@ -111,7 +121,7 @@ class _SlotTerms:
         self.tokens = np.zeros(_FIRST_SLOTS)
         self.name_rank = np.zeros(_FIRST_SLOTS)  # the worker's place among all by name
 
-    def set(self, entry: _Load) -> None:
+    def set(self, entry: LoadEntry) -> None:
         slot = entry.slot
         if slot >= len(self.fixed_s):
             size = max(slot + 1, 2 * len(self.fixed_s))
@@ -195,7 +205,7 @@ class LoadOrder:
         self._guarded_seconds = guarded_seconds
         self._decode_request_s = decode_request_s
         self._slot_of = slot_of
-        self._loads: dict[str, _Load] = {}
+        self._loads: dict[str, LoadEntry] = {}
         self._terms = _SlotTerms()
         self._slot_workers: dict[int, str] = {}
         self._name_ranks_stale = False  # a worker came or went since they were drawn
@@ -213,29 +223,44 @@ class LoadOrder:
     def known(self) -> KeysView[str]:
         return self._loads.keys()
 
-    def update(self, load: WorkerLoad) -> None:
-        """The router's guards on one worker changed (or it was first seen)."""
-        entry = self._loads.get(load.worker_id)
+    @property
+    def entries(self) -> Mapping[str, LoadEntry]:
+        """Each known worker's load terms (read only: :meth:`update` writes them)."""
+        return self._loads
+
+    def update(self, load: WorkerLoad) -> LoadEntry:
+        """The router's guards on one worker changed (or it was first seen); returns its
+        entry. A new object with the same loads only replaces the entry's ``load``."""
+        worker_id = load.worker_id
+        entry = self._loads.get(worker_id)
         fixed_s = load.in_flight_requests * self._decode_request_s + self._guarded_seconds(
             load.others_prefill_tokens
         )
         guarded_s = self._guarded_seconds(load.in_flight_prefill_tokens)
+        sort_key = load.sort_key
         if entry is None:
-            slot = self._slot_of(load.worker_id)
-            entry = self._loads[load.worker_id] = _Load(
-                fixed_s, guarded_s, float("-inf"), load.sort_key, slot
+            slot = self._slot_of(worker_id)
+            entry = self._loads[worker_id] = LoadEntry(
+                load, fixed_s, guarded_s, float("-inf"), sort_key, slot
             )
-            self._slot_workers[slot] = load.worker_id
+            self._slot_workers[slot] = worker_id
             self._name_ranks_stale = True
         else:
-            entry.fixed_s, entry.guarded_s = fixed_s, guarded_s
-            entry.sort_key = load.sort_key
+            entry.load = load
+            if (
+                entry.fixed_s == fixed_s
+                and entry.guarded_s == guarded_s
+                and entry.sort_key == sort_key
+            ):
+                return entry
+            entry.fixed_s, entry.guarded_s, entry.sort_key = fixed_s, guarded_s, sort_key
         if self._searched:
-            self._by_guarded.set(load.worker_id, (guarded_s + fixed_s, *load.sort_key))
-            self._classify(load.worker_id, entry)
+            self._by_guarded.set(worker_id, (guarded_s + fixed_s, *sort_key))
+            self._classify(worker_id, entry)
         else:
             stale = self._stale
-            stale[load.worker_id] = stale.get(load.worker_id, 0) | _GUARDS
+            stale[worker_id] = stale.get(worker_id, 0) | _GUARDS
+        return entry
 
     def set_done(self, worker_id: str, done_at: float) -> None:
         """This policy's predicted end of the prefills it queued on ``worker_id``."""
@@ -362,7 +387,7 @@ class LoadOrder:
             if current is not None and current.done_at == done_at:
                 self._classify(worker_id, current)
 
-    def _classify(self, worker_id: str, entry: _Load) -> None:
+    def _classify(self, worker_id: str, entry: LoadEntry) -> None:
         self._terms.set(entry)
         if entry.done_at > self._now:
             self._drained.remove(worker_id)
