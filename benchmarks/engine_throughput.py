@@ -41,8 +41,7 @@ import transformers
 from kvserve import LLM, SamplingParams
 from kvserve.engine.llm_engine import LLMEngine
 from kvserve.engine.tiny_model import ARCHES, TinyShape, make_tiny_model
-
-DEFAULT_SHAPE = TinyShape()
+from model_widths import WIDTHS, add_width_options, shape_from
 
 
 @dataclass(frozen=True)
@@ -194,21 +193,9 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1, help="torch threads for both")
     parser.add_argument("--device", help="cpu | cuda (default: the engine's choice)")
     parser.add_argument("--dtype", default="float32", help="float32 | bfloat16 | auto")
-    parser.add_argument("--hidden-size", type=int, default=DEFAULT_SHAPE.hidden_size)
-    parser.add_argument("--intermediate-size", type=int, default=DEFAULT_SHAPE.intermediate_size)
-    parser.add_argument("--num-heads", type=int, default=DEFAULT_SHAPE.num_heads)
-    parser.add_argument("--num-kv-heads", type=int, default=DEFAULT_SHAPE.num_kv_heads)
-    parser.add_argument("--num-layers", type=int, help="default: the family's own")
-    parser.add_argument("--head-dim", type=int, help="default: the family's own")
+    add_width_options(parser, **{name: getattr(TinyShape(), name) for name in WIDTHS})
     args = parser.parse_args()
-    shape = TinyShape(
-        hidden_size=args.hidden_size,
-        intermediate_size=args.intermediate_size,
-        num_heads=args.num_heads,
-        num_kv_heads=args.num_kv_heads,
-        num_layers=args.num_layers,
-        head_dim=args.head_dim,
-    )
+    shape = shape_from(args)
     torch.set_num_threads(args.threads)
     workloads = make_workloads(args)
     with tempfile.TemporaryDirectory() as tmp:

@@ -39,6 +39,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
+from model_widths import add_width_options, shape_from
+
 ROOT = Path(__file__).resolve().parent.parent
 # The environment each engine's process starts from, taken before kvserve is imported here
 # (importing kvserve.engine sets GOMP_SPINCOUNT, kvserve's own default, which vLLM should
@@ -263,17 +265,9 @@ def measure(args: argparse.Namespace, threads: int, workloads: list[Workload]) -
 
 
 def make_model(args: argparse.Namespace) -> Path:
-    from kvserve.engine.tiny_model import TinyShape, make_tiny_model
+    from kvserve.engine.tiny_model import make_tiny_model
 
-    shape = TinyShape(
-        hidden_size=args.hidden_size,
-        intermediate_size=args.intermediate_size,
-        num_heads=args.num_heads,
-        num_kv_heads=args.num_kv_heads,
-        num_layers=args.num_layers,
-        head_dim=args.head_dim,
-    )
-    return make_tiny_model(args.log_dir / "model", args.arch, seed=0, shape=shape)
+    return make_tiny_model(args.log_dir / "model", args.arch, seed=0, shape=shape_from(args))
 
 
 def main() -> None:
@@ -286,12 +280,15 @@ def main() -> None:
     parser.add_argument("--max-num-seqs", type=int, default=16)
     parser.add_argument("--max-batched-tokens", type=int, default=2048)
     parser.add_argument("--arch", default="qwen3")
-    parser.add_argument("--hidden-size", type=int, default=1024)
-    parser.add_argument("--intermediate-size", type=int, default=3072)
-    parser.add_argument("--num-heads", type=int, default=16)
-    parser.add_argument("--num-kv-heads", type=int, default=8)
-    parser.add_argument("--num-layers", type=int, default=8)
-    parser.add_argument("--head-dim", type=int, default=64)
+    add_width_options(
+        parser,
+        hidden_size=1024,
+        intermediate_size=3072,
+        num_heads=16,
+        num_kv_heads=8,
+        num_layers=8,
+        head_dim=64,
+    )
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--prompt-len", type=int, default=256)
     parser.add_argument("--output-len", type=int, default=64)

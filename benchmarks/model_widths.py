@@ -1,0 +1,30 @@
+"""The generated model's width options, shared by the engine benchmarks.
+
+kvserve is imported only when a shape is made: ``engine_vs_vllm.py`` also parses its
+options inside vLLM's venv, where kvserve is not importable.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from kvserve.engine.tiny_model import TinyShape
+
+WIDTHS = ("hidden_size", "intermediate_size", "num_heads", "num_kv_heads", "num_layers", "head_dim")
+
+
+def add_width_options(parser: argparse.ArgumentParser, **defaults: int | None) -> None:
+    """``--hidden-size`` and the rest; a width without a default takes the family's own."""
+    for name in WIDTHS:
+        default = defaults.get(name)
+        help_text = "default: the family's own" if default is None else None
+        option = "--" + name.replace("_", "-")
+        parser.add_argument(option, type=int, default=default, help=help_text)
+
+
+def shape_from(args: argparse.Namespace) -> TinyShape:
+    from kvserve.engine.tiny_model import TinyShape
+
+    return TinyShape(**{name: getattr(args, name) for name in WIDTHS})
