@@ -28,7 +28,7 @@ import aiohttp
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kvserve.router.local_fleet import KVSERVE_COMMAND, ServerProcess
-from tests.support.ports import free_port
+from kvserve.router.ports import free_port
 from tests.support.processes import start_router
 
 

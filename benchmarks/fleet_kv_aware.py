@@ -38,7 +38,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kvserve.bench.workloads import mooncake
 from kvserve.bench.workloads.spec import data_dir
-from kvserve.router.local_fleet import KVSERVE_COMMAND, ServerProcess, free_port
+from kvserve.router.local_fleet import KVSERVE_COMMAND, ServerProcess
+from kvserve.router.ports import free_port
 from kvserve.router.prompt_tokens import PromptHasher
 from tests.support.processes import start_router
 

@@ -26,7 +26,8 @@ from pathlib import Path
 
 import httpx
 
-from kvserve.router.local_fleet import KVSERVE_COMMAND, ServerProcess, free_port
+from kvserve.router.local_fleet import KVSERVE_COMMAND, ServerProcess
+from kvserve.router.ports import free_port
 
 N = 4
 

@@ -31,7 +31,8 @@ from kvserve.engine.kv_block_io import (
 )
 from kvserve.engine.model_runner import ModelRunner
 from kvserve.engine.tiny_model import make_tiny_model
-from kvserve.router.local_fleet import KVSERVE_COMMAND, ServerProcess, free_port
+from kvserve.router.local_fleet import KVSERVE_COMMAND, ServerProcess
+from kvserve.router.ports import free_port
 
 MAX_TOKENS = 4
 

@@ -45,7 +45,7 @@ import aiohttp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tests.support.ports import free_port
+from kvserve.router.ports import free_port
 from tests.support.processes import ServerProcess, start_foreign_server, start_router
 
 SHARED_PREFIX = "You are a helpful assistant who answers briefly and precisely. " * 16

@@ -43,7 +43,7 @@ from kvserve.engine.kv_tier_config import KVTierConfig
 from kvserve.engine.kv_tiers.connector import KVTiers, kv_tiers
 from kvserve.engine.llm_engine import LLMEngine
 from kvserve.engine.tiny_model import make_tiny_model
-from kvserve.router.local_fleet import free_port
+from kvserve.router.ports import free_port
 
 PROMPT_TOKENS = 4096
 SHARED_TOKENS = 3680  # 90%, rounded down to whole blocks of 16

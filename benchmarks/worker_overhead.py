@@ -36,7 +36,8 @@ import torch
 from kvserve.core.sampling_params import SamplingParams
 from kvserve.engine.llm_engine import LLMEngine
 from kvserve.engine.tiny_model import make_tiny_model
-from kvserve.router.local_fleet import KVSERVE_COMMAND, ServerProcess, free_port
+from kvserve.router.local_fleet import KVSERVE_COMMAND, ServerProcess
+from kvserve.router.ports import free_port
 
 NUM_BLOCKS = 1024
 PROMPT_TOKENS = 8

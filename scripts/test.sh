@@ -9,4 +9,4 @@ bash scripts/setup_vllm.sh || echo "warning: could not set up vLLM; the tests in
 .venv/bin/ruff check src tests benchmarks
 .venv/bin/ruff format --check src tests benchmarks
 .venv/bin/mypy
-exec .venv/bin/python -m pytest -q "$@"
+exec .venv/bin/python -m pytest -q --durations=15 "$@"

@@ -15,8 +15,8 @@ from collections.abc import Sequence
 import orjson
 from aiohttp import web
 
+from kvserve.router.ports import free_port
 from tests.support.foreign_openai_server import ForeignServer
-from tests.support.ports import free_port
 
 BEHAVIOURS = ("ok", "http400", "cut", "hang")
 

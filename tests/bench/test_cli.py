@@ -13,8 +13,8 @@ from typer.testing import CliRunner
 
 from kvserve.cli import app
 from kvserve.router.local_fleet import KVSERVE_COMMAND
+from kvserve.router.ports import free_port
 from tests.bench.scripted_server import ScriptedServer
-from tests.support.ports import free_port
 from tests.support.processes import REPO_ROOT
 
 MOONCAKE = REPO_ROOT / "tests/fixtures/mooncake_small.jsonl"

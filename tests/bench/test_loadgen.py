@@ -10,8 +10,8 @@ import pytest
 from kvserve.bench.loadgen import LoadConfig, LoadGenerator
 from kvserve.bench.metrics import summarize
 from kvserve.bench.workloads import RequestSpec
+from kvserve.router.ports import free_port
 from tests.bench.scripted_server import ScriptedServer
-from tests.support.ports import free_port
 
 SHARED = "the same long preamble for every prompt " * 4  # over one block of the server
 

@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from kvserve.router.local_fleet import KVSERVE_COMMAND, LocalFleet, free_port
+from kvserve.router.local_fleet import KVSERVE_COMMAND, LocalFleet
+from kvserve.router.ports import free_port
 from tests.support.processes import REPO_ROOT
 
 MOONCAKE = REPO_ROOT / "tests/fixtures/mooncake_small.jsonl"

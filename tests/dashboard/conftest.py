@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from kvserve.router.local_fleet import ServerProcess
-from tests.support.ports import free_port
+from kvserve.router.ports import free_port
 from tests.support.processes import start_router
 from tests.worker.worker_process import API_KEY, start_worker
 

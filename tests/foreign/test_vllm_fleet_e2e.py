@@ -18,7 +18,8 @@ from typing import Any
 import httpx
 import pytest
 
-from kvserve.router.local_fleet import ServerProcess, free_port
+from kvserve.router.local_fleet import ServerProcess
+from kvserve.router.ports import free_port
 from tests.support.lossy_zmq_link import LossyZmqLink
 from tests.support.metrics_text import samples
 from tests.support.processes import start_router

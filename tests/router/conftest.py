@@ -12,7 +12,7 @@ _REPO_ROOT = str(Path(__file__).resolve().parents[2])
 if _REPO_ROOT not in sys.path:
     sys.path.insert(0, _REPO_ROOT)
 
-from tests.support.ports import free_port  # noqa: E402
+from kvserve.router.ports import free_port  # noqa: E402
 from tests.support.processes import ServerProcess, start_foreign_server  # noqa: E402
 
 

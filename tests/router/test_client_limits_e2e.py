@@ -9,8 +9,8 @@ import httpx
 import pytest
 
 from kvserve.router.local_fleet import ServerProcess
+from kvserve.router.ports import free_port
 from tests.support import client_limit_checks as checks
-from tests.support.ports import free_port
 from tests.support.processes import start_foreign_server, start_router
 
 

@@ -9,7 +9,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from tests.support.ports import free_port
+from kvserve.router.ports import free_port
 from tests.support.processes import ServerProcess, start_router
 
 API = {"Authorization": "Bearer client-key"}

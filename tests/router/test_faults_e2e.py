@@ -10,8 +10,8 @@ from collections.abc import Callable
 import httpx
 import pytest
 
+from kvserve.router.ports import free_port
 from tests.support.metrics_text import by_label, samples, samples_of_every_process
-from tests.support.ports import free_port
 from tests.support.processes import start_foreign_server, start_router
 
 RETRIES = "kvserve_router_retries_total"

@@ -12,7 +12,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.support.ports import free_port
+from kvserve.router.ports import free_port
 from tests.support.processes import ServerProcess, start_router
 from tests.support.vllm_publisher import VllmFormatPublisher, block_stored
 

@@ -17,7 +17,8 @@ from kvserve.core.routing.kv_aware import KvAwareConfig
 from kvserve.core.routing.policies.kv_aware import KvAwarePolicy
 from kvserve.router.config import CircuitBreakerConfig
 from kvserve.router.kv_event_subscriber import KVEventSubscriber
-from kvserve.router.local_fleet import KVSERVE_COMMAND, ServerProcess, free_port
+from kvserve.router.local_fleet import KVSERVE_COMMAND, ServerProcess
+from kvserve.router.ports import free_port
 from kvserve.router.prompt_tokens import PromptHasher
 from kvserve.router.worker_registry import WorkerRegistry
 from tests.support.metrics_text import wait_until_indexed

@@ -12,7 +12,8 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from kvserve.router.local_fleet import KVSERVE_COMMAND, ServerProcess, free_port
+from kvserve.router.local_fleet import KVSERVE_COMMAND, ServerProcess
+from kvserve.router.ports import free_port
 from tests.support.metrics_text import by_label, samples, wait_until_indexed
 from tests.support.processes import start_router
 

@@ -13,7 +13,7 @@ import httpx
 import orjson
 import pytest
 
-from tests.support.ports import free_port
+from kvserve.router.ports import free_port
 from tests.support.processes import ServerProcess, start_router
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hello there"}]}

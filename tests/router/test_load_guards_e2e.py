@@ -14,8 +14,8 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
+from kvserve.router.ports import free_port
 from tests.support.metrics_text import by_label, samples, samples_of_every_process
-from tests.support.ports import free_port
 from tests.support.processes import ServerProcess, start_router
 
 GAUGES = ("kvserve_router_in_flight_requests", "kvserve_router_in_flight_prefill_tokens")

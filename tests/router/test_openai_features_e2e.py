@@ -12,7 +12,8 @@ from collections.abc import Iterator
 import openai
 import pytest
 
-from kvserve.router.local_fleet import KVSERVE_COMMAND, LocalFleet, free_port
+from kvserve.router.local_fleet import KVSERVE_COMMAND, LocalFleet
+from kvserve.router.ports import free_port
 from tests.support.metrics_text import samples
 
 TOLERANCE = 1e-4

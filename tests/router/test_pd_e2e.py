@@ -22,9 +22,9 @@ import pytest
 
 from kvserve.engine.pd_import import DEFAULT_LEASE_TTL_S
 from kvserve.router.local_fleet import KVSERVE_COMMAND, ServerProcess
+from kvserve.router.ports import free_port
 from tests.support.ledger_check import ledger_check
 from tests.support.metrics_text import by_label, samples
-from tests.support.ports import free_port
 from tests.support.shm_maps import segments_mapped_by_a_peer
 
 T = TypeVar("T")

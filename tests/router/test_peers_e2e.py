@@ -15,7 +15,8 @@ import aiohttp
 import httpx
 import pytest
 
-from kvserve.router.local_fleet import KVSERVE_COMMAND, ServerProcess, free_port
+from kvserve.router.local_fleet import KVSERVE_COMMAND, ServerProcess
+from kvserve.router.ports import free_port
 from tests.support.processes import start_router
 
 DEADLINE_S = 60.0  # generous: CI boxes are loaded

@@ -11,7 +11,7 @@ import httpx
 import openai
 import pytest
 
-from tests.support.ports import free_port
+from kvserve.router.ports import free_port
 from tests.support.processes import ServerProcess, start_router
 
 PREFIX = "You are a meticulous assistant. Answer in one sentence. " * 12

@@ -19,7 +19,7 @@ import pytest
 
 from kvserve.router.config import RouterConfig
 from kvserve.router.local_fleet import KVSERVE_COMMAND
-from tests.support.ports import free_port
+from kvserve.router.ports import free_port
 from tests.support.processes import ServerProcess, start_router
 
 HELD_PROMPT = "p" * 40  # 10 prefill tokens at 4 characters a token

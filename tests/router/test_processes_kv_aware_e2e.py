@@ -12,7 +12,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from kvserve.router.local_fleet import ServerProcess, free_port
+from kvserve.router.local_fleet import ServerProcess
+from kvserve.router.ports import free_port
 from tests.router.test_kv_aware_e2e import chat, model_dir, start_sim_worker
 from tests.support.metrics_text import samples_of_every_process
 from tests.support.processes import start_router

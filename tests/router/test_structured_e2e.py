@@ -15,7 +15,8 @@ import openai
 import pytest
 from pydantic import BaseModel, Field
 
-from kvserve.router.local_fleet import ServerProcess, free_port
+from kvserve.router.local_fleet import ServerProcess
+from kvserve.router.ports import free_port
 from kvserve.router.prompt_tokens import PromptHasher
 from tests.support.json_schemas import random_schemas
 from tests.support.processes import start_router

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import httpx
 
+from kvserve.router.ports import free_port
 from tests.support.metrics_text import by_label, samples
-from tests.support.ports import free_port
 from tests.support.processes import start_foreign_server, start_router
 
 RETRIES = "kvserve_router_retries_total"

@@ -13,7 +13,8 @@ from typing import Any
 import httpx
 import pytest
 
-from kvserve.router.local_fleet import KVSERVE_COMMAND, ServerProcess, free_port
+from kvserve.router.local_fleet import KVSERVE_COMMAND, ServerProcess
+from kvserve.router.ports import free_port
 from tests.support.metrics_text import samples
 from tests.support.processes import start_router
 

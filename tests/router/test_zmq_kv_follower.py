@@ -16,8 +16,8 @@ from kvserve.core.hashing import block_hashes, make_namespace
 from kvserve.core.routing.kv_aware import KvAwareConfig
 from kvserve.core.routing.policies.kv_aware import KvAwarePolicy
 from kvserve.router.kv_event_source import ZmqEventSource
+from kvserve.router.ports import free_port
 from kvserve.router.zmq_kv_follower import ZmqKVFollower
-from tests.support.ports import free_port
 from tests.support.vllm_publisher import VllmFormatPublisher, block_removed, block_stored
 
 BS = 32

@@ -9,7 +9,7 @@ import threading
 
 import zmq
 
-from kvserve.router.local_fleet import free_port
+from kvserve.router.ports import free_port
 
 
 class LossyZmqLink:

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from kvserve.router.local_fleet import free_port
+from kvserve.router.ports import free_port
 
 _BIN = Path(sys.executable).parent
 _START_TIMEOUT_S = 20.0

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import redis
 
-from kvserve.router.local_fleet import free_port
+from kvserve.router.ports import free_port
 
 REDIS_SERVER = shutil.which("redis-server")
 _START_TIMEOUT_S = 10.0

@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 
 from kvserve.router.local_fleet import KVSERVE_COMMAND, ServerProcess
-from tests.support.ports import free_port
+from kvserve.router.ports import free_port
 
 
 def start_up(cache_dir: Path, *options: str) -> ServerProcess:

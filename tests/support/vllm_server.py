@@ -8,10 +8,12 @@ of 32: the tiny qwen3 model (head_dim 32) and blocks of 32 tokens fit.
 from __future__ import annotations
 
 import json
+import re
 import time
 from pathlib import Path
 
-from kvserve.router.local_fleet import ServerProcess, free_port
+from kvserve.router.local_fleet import ServerProcess, StartError
+from kvserve.router.ports import free_port
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 VLLM_PYTHON = REPO_ROOT / ".venv-vllm" / "bin" / "python"
@@ -84,7 +86,12 @@ class VllmServer:
         return ServerProcess(args, self.url, name="vllm", env=env)
 
     def wait_healthy(self, timeout_s: float = 300.0) -> VllmServer:
-        self.process.wait_healthy(timeout_s)
+        try:
+            self.process.wait_healthy(timeout_s)
+        except StartError as error:
+            # vLLM's log ends with the API server's "see root cause above": name that cause.
+            log = self.process.log_path.read_text(errors="replace")
+            raise StartError(f"{error}\nroot cause: {root_cause(log)}") from error
         return self
 
     def kill(self) -> None:
@@ -106,6 +113,16 @@ class VllmServer:
         """This server's event source as the router's ``--kv-events`` takes it."""
         source = f"tcp://127.0.0.1:{self.events_port}"
         return source + (f"?replay=tcp://127.0.0.1:{self.replay_port}" if replay else "")
+
+
+# A traceback's last line, alone or behind vLLM's "(EngineCore pid=N) ERROR ... ] " prefix.
+_EXCEPTION_LINE = re.compile(r"^(?:\(.*?\) ERROR .*?\] )?([\w.]+(?:Error|Exception): .*)$", re.M)
+
+
+def root_cause(log: str) -> str:
+    """The first exception a vLLM process logged (the engine core's, where it failed)."""
+    found = _EXCEPTION_LINE.search(log)
+    return found.group(1) if found else "no exception in the log"
 
 
 SHARED_MEMORY = Path("/dev/shm")

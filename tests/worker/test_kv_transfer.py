@@ -18,11 +18,11 @@ from kvserve.engine.kv_block_io import KVBlockLayout
 from kvserve.engine.llm_engine import LLMEngine
 from kvserve.engine.pd_export import PDExporter
 from kvserve.engine.pd_import import PDImporter, pd_importer
+from kvserve.router.ports import free_port
 from kvserve.worker.engine_bridge import EngineBridge
 from kvserve.worker.engine_state import probe_engine
 from kvserve.worker.kv_transfer import EngineExports, KVTransferError
 from kvserve.worker.tcp_kv_transfer import TCPKVReceiver, TCPKVSender
-from tests.support.ports import free_port
 
 OPTIONS = {"block_size": 4, "num_blocks": 48, "device": "cpu", "model_name": "tiny"}
 PROMPT = [(7 * i + 3) % 1000 + 10 for i in range(45)]  # 11 full blocks before the last token

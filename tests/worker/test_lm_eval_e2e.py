@@ -16,7 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from kvserve.router.local_fleet import KVSERVE_COMMAND, ServerProcess, free_port
+from kvserve.router.local_fleet import KVSERVE_COMMAND, ServerProcess
+from kvserve.router.ports import free_port
 from tests.support.processes import REPO_ROOT
 
 TASKS = REPO_ROOT / "tests/fixtures/lm_eval_tasks"

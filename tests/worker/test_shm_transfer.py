@@ -15,11 +15,11 @@ import pytest
 import torch
 from aiohttp import web
 
+from kvserve.router.ports import free_port
 from kvserve.worker.kv_transfer import KVTransferError
 from kvserve.worker.pd_wire import recv_frame_head, send_frame
 from kvserve.worker.shm_landing import SHM_DIR, Segment, SegmentMaps, host_id
 from kvserve.worker.tcp_kv_transfer import TCPKVReceiver, TCPKVSender
-from tests.support.ports import free_port
 from tests.worker.test_tcp_kv_wire import (
     LAYOUT,
     TOKENS,

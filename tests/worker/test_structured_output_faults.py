@@ -19,7 +19,7 @@ import uvicorn
 
 from kvserve.engine.llm_engine import LLMEngine
 from kvserve.engine.structured_output import GrammarCompiler
-from kvserve.router.local_fleet import free_port
+from kvserve.router.ports import free_port
 from kvserve.worker.app import build_app
 from kvserve.worker.config import WorkerConfig
 

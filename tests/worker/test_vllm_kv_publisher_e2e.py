@@ -17,7 +17,8 @@ import msgpack
 import pytest
 import zmq
 
-from kvserve.router.local_fleet import KVSERVE_COMMAND, ServerProcess, free_port
+from kvserve.router.local_fleet import KVSERVE_COMMAND, ServerProcess
+from kvserve.router.ports import free_port
 from tests.support.metrics_text import samples
 from tests.support.processes import start_router
 

@@ -8,7 +8,8 @@ from typing import Any
 import httpx
 import openai
 
-from kvserve.router.local_fleet import KVSERVE_COMMAND, ServerProcess, free_port
+from kvserve.router.local_fleet import KVSERVE_COMMAND, ServerProcess
+from kvserve.router.ports import free_port
 
 API_KEY = "test-key"
 AUTH = {"authorization": f"Bearer {API_KEY}"}

@@ -158,7 +158,8 @@ def register(app: typer.Typer) -> None:
         """Start workers and a router on this machine and keep them running: a worker that
         exits is restarted on its port (with backoff; crash loops are reported). Ctrl-C
         stops everything; so does the router's exit."""
-        from kvserve.router.local_fleet import LocalFleet, StartError, port_taken
+        from kvserve.router.local_fleet import LocalFleet, StartError
+        from kvserve.router.ports import port_taken
 
         if policy not in POLICY_NAMES:
             raise typer.BadParameter(

@@ -17,7 +17,6 @@ import contextlib
 import ctypes
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -27,6 +26,7 @@ import urllib.request
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
+from kvserve.router.ports import free_port
 from kvserve.router.restart_backoff import RestartBackoff, RestartPlan, RestartPolicy
 
 KVSERVE_COMMAND = (sys.executable, "-c", "from kvserve.cli import main; main()")
@@ -170,25 +170,6 @@ class ServerProcess:
 
     def __exit__(self, *_exc: object) -> None:
         self.stop()
-
-
-def port_taken(host: str, port: int) -> str | None:
-    """Why ``host:port`` cannot be listened on (e.g. another server holds it), or None."""
-    with socket.socket() as sock:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as servers bind
-        try:
-            sock.bind((host, port))
-        except OSError as error:
-            return error.strerror or str(error)
-    return None
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A port that was free a moment ago (the OS picks it; reuse races are rare on loopback)."""
-    with socket.socket() as sock:
-        sock.bind((host, 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 class LocalFleet:
