@@ -272,6 +272,7 @@ def main() -> None:
             kv_cache_gib=1,
             single_process=single,
             core=cores[i % len(cores)] if args.pin_workers else None,
+            compiled=True,
         )
         for i in range(2)
     ]

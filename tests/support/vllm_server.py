@@ -39,6 +39,7 @@ class VllmServer:
         dev_mode: bool = False,
         single_process: bool = False,
         core: int | None = None,
+        compiled: bool = False,
     ) -> None:
         require_vllm()
         self.model_dir = model_dir
@@ -51,6 +52,9 @@ class VllmServer:
         # One CPU of its own (its OpenMP thread bound there), as a GPU worker has its device:
         # without it, every server's steps run on every core and queue behind each other's.
         self.core = core
+        # vLLM's default compiles the model (torch.compile) at start-up: half of its ~90 s
+        # start on an idle 2-core box. Tests serve it eager; benchmarks as vLLM runs it.
+        self.compiled = compiled
         self.port, self.events_port, self.replay_port = free_port(), free_port(), free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.kv_cache_gib = kv_cache_gib
@@ -75,6 +79,8 @@ class VllmServer:
         ]  # fmt: skip
         if self.single_process:
             args += ["--distributed-executor-backend", "uni"]
+        if not self.compiled:
+            args += ["--enforce-eager"]
         env = {
             "VLLM_CPU_KVCACHE_SPACE": str(self.kv_cache_gib),
             "VLLM_CPU_OMP_THREADS_BIND": "nobind" if self.core is None else str(self.core),

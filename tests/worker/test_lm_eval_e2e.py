@@ -1,9 +1,11 @@
-"""``lm-eval`` against a real kvserve worker, as a user runs it: ``--model local-completions``
-(loglikelihood through echo + logprobs on token-id prompt lists, and generate_until) and
-``--model local-chat-completions`` (generate_until through the chat template), on two small
-local tasks shipped in ``tests/fixtures/lm_eval_tasks`` (nothing downloaded). No request
-may fail, and every loglikelihood must equal the one lm-eval's own Hugging Face backend
-computes from the same model folder."""
+"""``lm-eval`` against a real kvserve worker: its ``local-completions`` model (loglikelihood
+through echo + logprobs on token-id prompt lists, and generate_until) and its
+``local-chat-completions`` model (generate_until through the chat template), on two small
+local tasks shipped in ``tests/fixtures/lm_eval_tasks`` (nothing downloaded). lm-eval runs
+through its Python API, all three evaluations in one process (its command line would index
+its built-in tasks first, 12 s a run); the models and requests are the command line's. No
+request may fail, and every loglikelihood must equal the one lm-eval's own Hugging Face
+backend computes from the same model folder."""
 
 from __future__ import annotations
 
@@ -21,7 +23,6 @@ from kvserve.router.ports import free_port
 from tests.support.processes import REPO_ROOT
 
 TASKS = REPO_ROOT / "tests/fixtures/lm_eval_tasks"
-LM_EVAL = [sys.executable, "-m", "lm_eval"]
 TOLERANCE = 1e-3
 # What lm-eval logs when a request fails (it then retries, or gives up on the request).
 FAILURE_MARKS = ("API request failed", "Exception:", "Traceback")
@@ -46,36 +47,36 @@ def worker(model_dir: Path) -> Iterator[ServerProcess]:
     assert server.stop(timeout_s=30) == 0, server.log_tail()
 
 
-def lm_eval(out: Path, *args: str) -> str:
-    """Runs the lm-eval command line offline (the tasks' data is local); its output."""
+def lm_eval(out: Path, runs: list[dict[str, object]]) -> None:
+    """Runs lm-eval offline (the tasks' data is local) in one process
+    (tests/support/lm_eval_runs.py); each run's samples by task in ``out / NAME.json``."""
     env = os.environ | {
         "HF_HOME": str(out / "hf-home"),
         "HF_DATASETS_OFFLINE": "1",
         "HF_HUB_OFFLINE": "1",
         "TOKENIZERS_PARALLELISM": "false",
         "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": str(REPO_ROOT),
     }
-    command = [*LM_EVAL, "run", *args, "--include_path", str(TASKS), "--output_path", str(out)]
+    runs = [run | {"out": str(out / f"{run['name']}.json")} for run in runs]
+    command = [sys.executable, "-m", "tests.support.lm_eval_runs", str(TASKS), json.dumps(runs)]
     result = subprocess.run(
-        [*command, "--log_samples"], cwd=TASKS, env=env, capture_output=True, text=True,
-        timeout=400,
-    )  # fmt: skip
+        command, cwd=TASKS, env=env, capture_output=True, text=True, timeout=400
+    )
     output = result.stdout + result.stderr
     assert result.returncode == 0, output[-4000:]
     for mark in FAILURE_MARKS:
         assert mark not in output, output[-4000:]
-    return output
 
 
-def samples(out: Path, task: str) -> list[dict]:
-    (path,) = out.glob(f"*/samples_{task}_*.jsonl")
-    return [json.loads(line) for line in path.read_text().splitlines()]
+def samples(out: Path, run: str, task: str) -> list[dict]:
+    return list(json.loads((out / f"{run}.json").read_text())[task])
 
 
-def loglikelihoods(out: Path) -> list[float]:
+def loglikelihoods(out: Path, run: str) -> list[float]:
     return [
         float(loglikelihood)
-        for sample in samples(out, "kvserve_tiny_choice")
+        for sample in samples(out, run, "kvserve_tiny_choice")
         for loglikelihood, _ in sample["filtered_resps"]
     ]
 
@@ -86,28 +87,32 @@ def test_local_completions_match_the_hf_backend_and_chat_runs(
     served = f"model=tiny,base_url={worker.url}/v1/completions,tokenizer={model_dir}"
     # add_bos_token: the HF backend's tokenizer adds BOS; the API model must send it too.
     served += ",tokenizer_backend=huggingface,num_concurrent=2,max_retries=1,add_bos_token=True"
+    chat = f"model=tiny,base_url={worker.url}/v1/chat/completions,num_concurrent=2,max_retries=1"
+    tasks = ["kvserve_tiny_choice", "kvserve_tiny_generate"]
     lm_eval(
-        tmp_path / "kvserve",
-        "--model", "local-completions", "--model_args", served,
-        "--tasks", "kvserve_tiny_choice,kvserve_tiny_generate",
-    )  # fmt: skip
-    lm_eval(
-        tmp_path / "hf",
-        "--model", "hf", "--model_args", f"pretrained={model_dir},dtype=float32",
-        "--device", "cpu", "--tasks", "kvserve_tiny_choice",
-    )  # fmt: skip
-    ours, theirs = loglikelihoods(tmp_path / "kvserve"), loglikelihoods(tmp_path / "hf")
+        tmp_path,
+        [
+            {"name": "kvserve", "model": "local-completions", "model_args": served, "tasks": tasks},
+            {
+                "name": "hf",
+                "model": "hf",
+                "model_args": f"pretrained={model_dir},dtype=float32",
+                "tasks": ["kvserve_tiny_choice"],
+            },
+            {
+                "name": "chat",
+                "model": "local-chat-completions",
+                "model_args": chat,
+                "tasks": ["kvserve_tiny_generate"],
+                "apply_chat_template": True,
+            },
+        ],
+    )
+    ours, theirs = loglikelihoods(tmp_path, "kvserve"), loglikelihoods(tmp_path, "hf")
     assert len(ours) == len(theirs) == 8
     for got, want in zip(ours, theirs, strict=True):
         assert abs(got - want) < TOLERANCE, (ours, theirs)
-    generated = samples(tmp_path / "kvserve", "kvserve_tiny_generate")
+    generated = samples(tmp_path, "kvserve", "kvserve_tiny_generate")
     assert len(generated) == 3 and all(isinstance(s["filtered_resps"][0], str) for s in generated)
-
-    chat = f"model=tiny,base_url={worker.url}/v1/chat/completions,num_concurrent=2,max_retries=1"
-    lm_eval(
-        tmp_path / "chat",
-        "--model", "local-chat-completions", "--model_args", chat,
-        "--apply_chat_template", "--tasks", "kvserve_tiny_generate",
-    )  # fmt: skip
-    answers = samples(tmp_path / "chat", "kvserve_tiny_generate")
+    answers = samples(tmp_path, "chat", "kvserve_tiny_generate")
     assert len(answers) == 3 and all(isinstance(s["filtered_resps"][0], str) for s in answers)
