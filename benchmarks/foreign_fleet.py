@@ -27,7 +27,8 @@ policy), which separates what the router process costs from what the policy deci
 
 Run: ``python benchmarks/foreign_fleet.py [--requests 48] [--rounds 1]
 [--concurrency 4 | --rate 8] [--routers kvserve-kv_aware sglang-cache_aware
-kvserve-cache_aware] [--workloads shared-prefix mooncake-conv] [--out runs/foreign-fleet]``
+kvserve-cache_aware] [--recompute-weights 0 2] [--workloads shared-prefix mooncake-conv]
+[--out runs/foreign-fleet]``
 """
 
 from __future__ import annotations
@@ -52,7 +53,8 @@ from kvserve.router.ports import free_port
 from tests.support.processes import start_router
 from tests.support.vllm_server import BLOCK_SIZE, VllmServer
 
-ROUTERS = ("kvserve-kv_aware", "sglang-cache_aware", "kvserve-cache_aware")
+KV_AWARE = "kvserve-kv_aware"
+ROUTERS = (KV_AWARE, "sglang-cache_aware", "kvserve-cache_aware")
 WORKLOADS = {
     "shared-prefix": "shared-prefix:n_prefixes=6,prefix_len=384,suffix_len=24,max_tokens=8",
     "mooncake-conv": "mooncake-conv:block_tokens=10,max_tokens=8",
@@ -86,7 +88,11 @@ def start_sglang_router(workers: list[VllmServer]) -> ServerProcess:
 
 
 def start_kvserve_router(
-    workers: list[VllmServer], model_dir: Path, prefill_token_s: float, decode_s: float
+    workers: list[VllmServer],
+    model_dir: Path,
+    prefill_token_s: float,
+    decode_s: float,
+    recompute_weight: float,
 ) -> ServerProcess:
     """kv_aware with this machine's costs, both measured on the same servers: seconds per
     prompt token, and what a running sequence adds to a new prompt's TTFT."""
@@ -95,6 +101,7 @@ def start_kvserve_router(
         "--tokenizer", str(model_dir), "--kv-events", *[w.kv_events() for w in workers],
         "--kv-block-size", str(BLOCK_SIZE), "--kv-prefill-token-s", str(prefill_token_s),
         "--kv-decode-request-s", str(decode_s),
+        "--kv-aware-recompute-weight", str(recompute_weight),
     )  # fmt: skip
     deadline = time.monotonic() + 60
     while not all("kv_events_stream" in w for w in _workers(router)):  # followers started
@@ -195,10 +202,11 @@ def run_once(
     reset_caches(workers, model_dir)
     closed = args.rate is None
     load = ["--concurrency", str(args.concurrency)] if closed else ["--rate", str(args.rate)]
-    if name == "kvserve-kv_aware":
+    if name in args.kv_aware_weights:
         router = start_kvserve_router(
-            workers, model_dir, args.prefill_token_s, args.decode_request_s
-        )
+            workers, model_dir, args.prefill_token_s, args.decode_request_s,
+            args.kv_aware_weights[name],
+        )  # fmt: skip
     elif name == "kvserve-cache_aware":  # kvserve's router with sglang-router's policy
         router = start_router([w.url for w in workers], free_port(), "--policy", "cache_aware")
     else:
@@ -255,7 +263,20 @@ def main() -> None:
         default=True,
         help="vLLM server i runs on CPU i only (as each GPU worker has its own device)",
     )
+    parser.add_argument(
+        "--recompute-weights",
+        type=float,
+        nargs="+",
+        default=[0.0],
+        help="kvserve-kv_aware once per --kv-aware-recompute-weight W (named -wW unless 0)",
+    )
     args = parser.parse_args()
+    args.kv_aware_weights = {
+        KV_AWARE if w == 0 else f"{KV_AWARE}-w{w:g}": w for w in args.recompute_weights
+    }
+    args.routers = [
+        r for name in args.routers for r in (args.kv_aware_weights if name == KV_AWARE else [name])
+    ]
     # Shared-prefix workloads make as many requests as asked (their default is 256).
     workloads = {
         name: WORKLOADS[name] + (f",requests={args.requests}" if "n_prefixes" in spec else "")
