@@ -44,6 +44,9 @@ def adapt_case(case: schemathesis.Case, model: str, mode: GenerationMode) -> Non
                 case.body[name] = min(value, _MAX_FUZZ_CHOICES)
         if mode is GenerationMode.POSITIVE and "model" in case.body:
             case.body["model"] = model
+        if mode is GenerationMode.POSITIVE and not any(f in case.body for f in _LENGTH_FIELDS[:2]):
+            # no length at all decodes to the end of the context: over 30 s on a loaded box
+            case.body["max_tokens"] = _MAX_FUZZ_TOKENS
     if isinstance(case.query, dict):
         wait = case.query.get("timeout")
         if isinstance(wait, int | float) and not isinstance(wait, bool):
