@@ -21,7 +21,8 @@ from tests.worker.worker_process import AUTH, served_model
 
 # Generated lengths are clamped so that each case costs milliseconds, not a full context
 # of decoding; the parameters' validation is exercised all the same.
-_LENGTH_FIELDS = ("max_tokens", "max_completion_tokens", "min_tokens")
+_LIMIT_FIELDS = ("max_tokens", "max_completion_tokens")
+_LENGTH_FIELDS = (*_LIMIT_FIELDS, "min_tokens")
 _MAX_FUZZ_TOKENS = 4
 # Choices multiply a case's cost (a chat without max_tokens decodes to the end of the
 # context, n times over); min() keeps best_of >= n where it held.
@@ -44,7 +45,7 @@ def adapt_case(case: schemathesis.Case, model: str, mode: GenerationMode) -> Non
                 case.body[name] = min(value, _MAX_FUZZ_CHOICES)
         if mode is GenerationMode.POSITIVE and "model" in case.body:
             case.body["model"] = model
-        if mode is GenerationMode.POSITIVE and not any(f in case.body for f in _LENGTH_FIELDS[:2]):
+        if mode is GenerationMode.POSITIVE and not any(f in case.body for f in _LIMIT_FIELDS):
             # no length at all decodes to the end of the context: over 30 s on a loaded box
             case.body["max_tokens"] = _MAX_FUZZ_TOKENS
     if isinstance(case.query, dict):
