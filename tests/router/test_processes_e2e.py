@@ -20,7 +20,7 @@ import pytest
 from kvserve.router.config import RouterConfig
 from kvserve.router.local_fleet import KVSERVE_COMMAND
 from kvserve.router.ports import free_port
-from tests.support.processes import ServerProcess, start_router
+from tests.support.processes import ServerProcess, start_foreign_server, start_router
 
 HELD_PROMPT = "p" * 40  # 10 prefill tokens at 4 characters a token
 
@@ -102,14 +102,48 @@ def test_a_prompt_routed_by_one_process_is_a_hit_in_the_other(router: ServerProc
     pytest.fail("every request went to the same process")
 
 
-def test_the_worker_set_is_fixed_and_says_so(router: ServerProcess) -> None:
-    with httpx.Client(base_url=router.url, timeout=10) as client:
-        removed = client.delete("/workers/w0")
-        added = client.post("/workers", json={"url": "http://127.0.0.1:9"})
-    for response in (removed, added):
-        assert response.status_code == 409
-        assert response.json()["error"]["code"] == "fixed_fleet"
-    assert [w["id"] for w in _workers(router)] == ["w0", "w1", "w2"]
+def _workers_of_each_process(router: ServerProcess) -> dict[str, list[str]]:
+    """Each process's worker ids, from /workers on fresh connections until both answered."""
+    seen: dict[str, list[str]] = {}
+    for _ in range(60):
+        answer = httpx.get(router.url + "/workers", timeout=10)
+        ids = [w["id"] for w in answer.json()["workers"]]
+        seen.setdefault(answer.headers["x-kvserve-router-process"], ids)
+        if len(seen) == 2:
+            return seen
+    pytest.fail("every request went to the same process")
+
+
+def test_workers_added_and_removed_through_either_process_change_both(
+    router: ServerProcess,
+) -> None:
+    """Process 0 orders the changes: the same ids everywhere, even for additions sent to
+    both processes at once; a removal through one stops both routing there."""
+    extra = [start_foreign_server(name, free_port()) for name in "DE"]
+    try:
+        with ThreadPoolExecutor(4) as pool:  # fresh connections: either process may answer
+            added = list(
+                pool.map(lambda s: httpx.post(router.url + "/workers", json={"url": s.url}), extra)
+            )
+        assert [a.status_code for a in added] == [201, 201], [a.text for a in added]
+        new_ids = {a.json()["id"] for a in added}
+        assert new_ids == {"w3", "w4"} and all(a.json()["healthy"] for a in added)
+        expected = ["w0", "w1", "w2", "w3", "w4"]
+        assert _workers_of_each_process(router) == {"0": expected, "1": expected}
+        again = httpx.post(router.url + "/workers", json={"url": extra[0].url})
+        assert again.status_code == 409 and again.json()["error"]["code"] == "bad_worker"
+        for worker_id in sorted(new_ids):
+            assert httpx.delete(f"{router.url}/workers/{worker_id}").status_code == 200
+        expected = ["w0", "w1", "w2"]
+        assert _workers_of_each_process(router) == {"0": expected, "1": expected}
+        gone = httpx.delete(f"{router.url}/workers/w4")
+        assert gone.status_code == 404 and gone.json()["error"]["code"] == "unknown_worker"
+        for _ in range(20):  # neither process routes to a removed worker
+            answer = httpx.post(router.url + "/v1/completions", json={"prompt": "hi"}, timeout=30)
+            assert answer.headers["x-kvserve-worker"] in expected
+    finally:
+        for server in extra:
+            server.stop()
 
 
 def test_sigterm_to_the_parent_stops_every_process(foreign_fleet: list[ServerProcess]) -> None:

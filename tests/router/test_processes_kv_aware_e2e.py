@@ -28,12 +28,9 @@ def router(model_dir: Path) -> Iterator[ServerProcess]:
     try:
         workers = [start_sim_worker(model_dir) for _ in range(2)]
         urls = [w.url for w in workers]
-        # No replica salt: it would outweigh these short prompts' hits by a hash of the
-        # (random) port; what is checked is that both processes follow the events.
-        process = start_router(
-            urls, free_port(), "--policy", "kv_aware", "--processes", "2",
-            "--kv-aware-replica-spread", "0",
-        )  # fmt: skip
+        # Sibling processes are not salted as replicas: with the default spread, these
+        # short prompts' hits hold whichever process routes the next turn.
+        process = start_router(urls, free_port(), "--policy", "kv_aware", "--processes", "2")
         yield process
     finally:
         for server in [process, *workers]:

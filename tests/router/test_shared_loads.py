@@ -7,7 +7,7 @@ import os
 import pytest
 
 from kvserve.core.routing.types import WorkerLoad
-from kvserve.router.shared_loads import SharedLoadTable, SharedLoadTracker
+from kvserve.router.shared_loads import ConnectionTally, SharedLoadTable, SharedLoadTracker
 
 SLOTS = {"w0": 0, "w1": 1}
 
@@ -60,3 +60,17 @@ def test_a_worker_without_a_slot_is_counted_by_this_process_only() -> None:
     guard.release()
     with pytest.raises(AssertionError):
         guard._tracker._adjust("w9", -1, 0)
+
+
+def test_each_process_sees_the_others_connections_and_not_its_own() -> None:
+    table = SharedLoadTable(3, len(SLOTS))
+    tallies = [ConnectionTally(table, p) for p in range(3)]
+    tallies[0].publish(5)
+    tallies[2].publish(2)
+    assert [t.others() for t in tallies] == [2, 7, 5]
+    tallies[0].publish(0)
+    assert tallies[1].others() == 2
+    first = SharedLoadTracker(table, 0, SLOTS)  # the connections' cells are apart
+    first.acquire("w1", 9)
+    assert tallies[1].others() == 2 and first.load("w1") == WorkerLoad("w1", 1, 9)
+    assert ConnectionTally().others() == 0  # one process: nobody else

@@ -36,8 +36,8 @@ def test_messages_arrive_whole_and_in_order_however_large() -> None:
         left, right = socket.socketpair()
         sender, receiver = SiblingLinks([left]), SiblingLinks([right])
         got: list[object] = []
-        await sender.start(lambda _record: None)
-        await receiver.start(got.append)
+        await sender.start(lambda _record, _link: None)
+        await receiver.start(lambda record, _link: got.append(record))
         big = "x" * 3_000_000  # bigger than any socket buffer: split across reads
         for record in (["i", "regular", "m", "short", "w0", 1.5], ["i", "p", "m", big, "w1", 2.0]):
             sender.send(record)

@@ -20,8 +20,8 @@ def samples(
 def samples_of_every_process(
     url: str, processes: int, within_s: float = 20.0
 ) -> list[dict[tuple[str, frozenset[tuple[str, str]]], float]]:
-    """Each process's samples at a ``--processes N`` router's ``url``: each process counts
-    what it served, so a counter's fleet value is the sum over these. Fetched on fresh
+    """Each process's samples at a ``--processes N`` router's ``url`` (its counters are the
+    router's sums; its gauges, e.g. indexed blocks, its own view). Fetched on fresh
     connections (which the kernel spreads over the processes) until every one answered."""
     found: dict[str, dict[tuple[str, frozenset[tuple[str, str]]], float]] = {}
     deadline = time.monotonic() + within_s

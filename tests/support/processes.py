@@ -4,9 +4,13 @@ kvserve router, as real processes (see :class:`kvserve.router.local_fleet.Server
 
 from __future__ import annotations
 
+import os
+import shlex
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+
+import pytest
 
 from kvserve.router.local_fleet import KVSERVE_COMMAND, ServerProcess
 
@@ -14,6 +18,20 @@ __all__ = ["ServerProcess", "start_foreign_server", "start_router"]
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 FOREIGN_SERVER = REPO_ROOT / "tests" / "support" / "foreign_openai_server.py"
+
+# Options every router a test starts gets, so that the same tests check each process mode
+# the router offers (``scripts/test_router_modes.sh`` sets it, e.g. "--processes 2").
+ROUTER_MODE_OPTIONS = tuple(shlex.split(os.environ.get("KVSERVE_TEST_ROUTER_OPTIONS", "")))
+# What a mode's option refuses beside it (``RouterConfig`` says why): such a test is
+# skipped in that mode, with the reason, rather than run in another mode under its name.
+_REFUSED_BESIDE = {"--processes": ("--peers",)}
+
+
+def _skip_if_mode_refuses(options: Sequence[str]) -> None:
+    for mode_option, refused in _REFUSED_BESIDE.items():
+        clash = [option for option in refused if option in options]
+        if mode_option in ROUTER_MODE_OPTIONS and clash:
+            pytest.skip(f"the router refuses {mode_option} beside {', '.join(clash)}")
 
 
 def start_foreign_server(
@@ -30,6 +48,7 @@ def start_router(
 ) -> ServerProcess:
     """``kvserve router`` over ``worker_urls``, answering 200 on ``ready_path`` on return
     (``/health``: some worker is up; ``/metrics``: the router itself is)."""
+    _skip_if_mode_refuses(options)
     args = [
         *KVSERVE_COMMAND,
         "router",
@@ -37,6 +56,7 @@ def start_router(
         str(port),
         "--worker-urls",
         *worker_urls,
+        *ROUTER_MODE_OPTIONS,  # first: a test's own choice of the same option wins
         *options,
     ]
     return ServerProcess(args, f"http://127.0.0.1:{port}", name="router").wait_healthy(

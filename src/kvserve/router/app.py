@@ -8,7 +8,8 @@ import contextlib
 import gc
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
+from typing import Any
 
 import aiohttp
 import orjson
@@ -27,6 +28,7 @@ from kvserve.router.dashboard.data import dashboard_data
 from kvserve.router.dashboard.routes import DashboardRoutes
 from kvserve.router.dashboard.sampler import FleetSampler
 from kvserve.router.errors import openai_error
+from kvserve.router.fleet_changes import Change, FleetChanges
 from kvserve.router.health import HealthChecker
 from kvserve.router.kv_event_source import KVSERVE_STREAM, parse_kv_event_source
 from kvserve.router.kv_event_subscriber import KVEventSubscriber
@@ -39,8 +41,9 @@ from kvserve.router.peers import ANNOUNCEMENTS_PATH, STREAM_PATH, PeerLink
 from kvserve.router.process_group import ProcessMember, run_process_group
 from kvserve.router.prompt_preparer import PromptPreparer
 from kvserve.router.proxy import ROUTER_PROCESS_HEADER, Proxy
-from kvserve.router.shared_loads import SharedLoadTracker
+from kvserve.router.shared_loads import ConnectionTally, SharedLoadTracker
 from kvserve.router.sibling_links import SiblingAnnouncements
+from kvserve.router.sibling_metrics import SiblingMetrics
 from kvserve.router.worker_registry import Worker, WorkerRegistry
 
 log = logging.getLogger(__name__)
@@ -48,8 +51,12 @@ log = logging.getLogger(__name__)
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
-def _json(payload: object, status: int = 200) -> web.Response:
-    return web.Response(status=status, body=orjson.dumps(payload), content_type="application/json")
+def _json(
+    payload: object, status: int = 200, headers: dict[str, str] | None = None
+) -> web.Response:
+    return web.Response(
+        status=status, body=orjson.dumps(payload), content_type="application/json", headers=headers
+    )
 
 
 class Router:
@@ -69,7 +76,7 @@ class Router:
         self.tracker: LoadTracker
         if member is None:
             self.tracker = LoadTracker(on_change=self._load_changed)
-        else:  # the fleet is fixed: worker i keeps slot i of the shared table
+        else:  # worker i of the starting fleet keeps slot i of the shared table
             slots = {w.worker_id: i for i, w in enumerate(self.registry.all())}
             self.tracker = SharedLoadTracker(
                 member.table, member.index, slots, on_change=self._load_changed
@@ -80,6 +87,7 @@ class Router:
         # announces each choice; the rest reads self.policy. (Not both: config refuses.)
         self.peers: PeerLink | None = None
         self.siblings: SiblingAnnouncements | None = None
+        self._sibling_metrics: SiblingMetrics | None = None  # /metrics summed over siblings
         self._routing_policy: Policy = self.policy
         if config.peer_urls:
             self.peers = PeerLink(
@@ -99,7 +107,18 @@ class Router:
                 PeerView(self.policy.observe_peer_choice, self._sibling_load_changed),
             )
             self._routing_policy = AnnouncingPolicy(self.policy, self.siblings.announcer)
-        if self._routing_policy is not self.policy:  # one replica of several
+            self._sibling_metrics = SiblingMetrics(member.links, self.metrics.registry)
+        several = member is not None and member.count > 1
+        self._fleet = FleetChanges(
+            self._apply_fleet_change,
+            member.links if several and member is not None else None,
+            0 if member is None else member.index,
+        )
+        self._background_tasks: set[asyncio.Task[object]] = set()
+        if self.peers is not None:  # one replica of several, each seeing only its own guards
+            # Not for sibling processes: they read one exact table of loads and hear each
+            # other within a loop iteration, so a salt would only move short prompts off
+            # their holders, by which process took the connection (docs/internals.md).
             self.policy.as_replica(_replica_name(config, member))
         # Only kv_aware keeps workers ordered by load: the others read the table itself.
         self._siblings_follow_loads = self.siblings is not None and isinstance(
@@ -122,7 +141,13 @@ class Router:
         # events, the dashboard's /metrics scrape.
         headers = self.config.worker_headers()
         if self.siblings is not None:
-            await self.siblings.start()
+            metrics, fleet = self._sibling_metrics, self._fleet
+            assert metrics is not None
+            await self.siblings.start(
+                lambda message, link: (
+                    metrics.on_message(message, link) or fleet.on_message(message, link)
+                )
+            )
         async with aiohttp.ClientSession(connector=connector, headers=headers) as session:
             self._session = session
             proxy_args = (
@@ -280,9 +305,11 @@ class Router:
                 for tier in TIERS:
                     blocks = index.num_blocks(worker.worker_id, tier)
                     self.metrics.kv_index_blocks.labels(worker.worker_id, tier).set(blocks)
-        return web.Response(
-            body=self.metrics.render(), content_type="text/plain", headers=self._process_headers
-        )
+        if self._sibling_metrics is not None:
+            body = await self._sibling_metrics.render()
+        else:
+            body = self.metrics.render()
+        return web.Response(body=body, content_type="text/plain", headers=self._process_headers)
 
     def dashboard_data(self) -> dict[str, object]:
         assert self._sampler is not None
@@ -352,29 +379,17 @@ class Router:
         return described
 
     async def list_workers(self, _request: web.Request) -> web.Response:
-        return _json({"workers": [self._describe(w) for w in self.registry.all()]})
-
-    def _fixed_fleet(self) -> web.Response | None:
-        """With several processes the worker set is fixed: each process would need the same
-        change at once, under the same worker id and shared-load slot."""
-        if self.member is None:
-            return None
-        return openai_error(
-            409,
-            f"the router runs {self.member.count} processes (--processes), whose worker set is"
-            " fixed: restart it with the new --worker-urls, or run it with --processes 1",
-            error_type="invalid_request_error",
-            code="fixed_fleet",
-        )
+        workers = [self._describe(w) for w in self.registry.all()]
+        return _json({"workers": workers}, headers=self._process_headers)
 
     async def add_worker(self, request: web.Request) -> web.Response:
-        """Register a worker and check it once, so the answer says whether it takes traffic."""
-        if (refusal := self._fixed_fleet()) is not None:
-            return refusal
+        """Register a worker (in every process) and check it once, so the answer says
+        whether it takes traffic."""
         try:
             body = orjson.loads(await request.read())
             url, pool = str(body["url"]), str(body.get("pool", "regular"))
-            source = parse_kv_event_source(str(body.get("kv_events", KVSERVE_STREAM)))
+            kv_events = str(body.get("kv_events", KVSERVE_STREAM))
+            parse_kv_event_source(kv_events)
         except (orjson.JSONDecodeError, TypeError, KeyError, ValueError) as error:
             detail = f": {error}" if isinstance(error, ValueError) else ""
             return openai_error(
@@ -384,27 +399,60 @@ class Router:
                 error_type="invalid_request_error",
                 code="bad_worker",
             )
-        try:
-            worker = self.registry.add(url, pool, source)
-        except ValueError as error:
-            return openai_error(
-                409, str(error), error_type="invalid_request_error", code="bad_worker"
-            )
+        change = {"op": "add", "url": url, "pool": pool, "kv_events": kv_events}
+        result = await self._fleet.change(change)
+        worker = None if "status" in result else self.registry.get(result["worker_id"])
+        if worker is None:  # refused (or removed again before this answer)
+            return _fleet_refusal(result)
         assert self._health is not None
         await self._health.probe(worker)
-        log.info("added worker %s at %s", worker.worker_id, worker.url)
         return _json(self._describe(worker), status=201)
 
     async def remove_worker(self, request: web.Request) -> web.Response:
-        """Stop routing to a worker; its in-flight requests finish and release their load."""
-        if (refusal := self._fixed_fleet()) is not None:
-            return refusal
+        """Stop routing to a worker (in every process); its in-flight requests finish and
+        release their load."""
+        worker_id = request.match_info["worker_id"]
+        worker = self.registry.get(worker_id)
+        result = await self._fleet.change({"op": "remove", "worker_id": worker_id})
+        if "status" in result:
+            return _fleet_refusal(result)
+        return _json(worker.describe() if worker is not None else result)
+
+    def _background(self, work: Coroutine[Any, Any, object]) -> None:
+        """Run ``work`` without awaiting it, holding it until it ends."""
+        task = asyncio.get_running_loop().create_task(work)
+        self._background_tasks.add(task)
+        task.add_done_callback(self._background_tasks.discard)
+
+    def _apply_fleet_change(self, change: Change) -> Change:
+        """Apply one worker addition or removal to this process's state (every process
+        applies the same changes in the same order: see ``fleet_changes.py``)."""
+        if change["op"] == "add":
+            return self._add(change["url"], change["pool"], change["kv_events"])
+        return self._remove(change["worker_id"])
+
+    def _add(self, url: str, pool: str, kv_events: str) -> Change:
+        if isinstance(self.tracker, SharedLoadTracker) and not self.tracker.has_room():
+            return _refused(
+                409, "fleet_full", "the router's processes have no load slot left for another"
+                " worker (each worker ever added takes one): restart it with the fleet"
+            )  # fmt: skip
         try:
-            worker = self.registry.remove(request.match_info["worker_id"])
+            worker = self.registry.add(url, pool, parse_kv_event_source(kv_events))
+        except ValueError as error:
+            return _refused(409, "bad_worker", str(error))
+        if isinstance(self.tracker, SharedLoadTracker):
+            self.tracker.add_worker(worker.worker_id)
+        if self._health is not None:  # checked now here too, not at the next interval
+            self._background(self._health.probe(worker))
+        log.info("added worker %s at %s", worker.worker_id, worker.url)
+        return {"worker_id": worker.worker_id}
+
+    def _remove(self, worker_id: str) -> Change:
+        try:
+            worker = self.registry.remove(worker_id)
         except KeyError:
-            return openai_error(
-                404, "no such worker", error_type="invalid_request_error", code="unknown_worker"
-            )
+            return _refused(404, "unknown_worker", "no such worker")
         self.policy.forget_worker(worker.worker_id)
         if self.subscriber is not None:
             self.subscriber.reconcile()  # stop following it now, not at the next tick
@@ -416,7 +464,7 @@ class Router:
             with contextlib.suppress(KeyError):
                 self.metrics.kv_index_blocks.remove(worker.worker_id, tier)
         log.info("removed worker %s at %s", worker.worker_id, worker.url)
-        return _json(worker.describe())
+        return {"worker_id": worker.worker_id}
 
 
 def _no_peers() -> web.Response:
@@ -470,11 +518,16 @@ def _serve(config: RouterConfig, member: ProcessMember | None) -> None:
     router = Router(config, member)
     app = router.build_app()
     reuse_port = member is not None
+    tally = ConnectionTally() if member is None else ConnectionTally(member.table, member.index)
     if config.http_server == "lean":
-        loop.run_until_complete(serve_lean(app, router.answer, config, reuse_port=reuse_port))
+        loop.run_until_complete(
+            serve_lean(app, router.answer, config, reuse_port=reuse_port, tally=tally)
+        )
         return
     loop.run_until_complete(
-        serve(app, config.host, config.port, config.client_limits, reuse_port=reuse_port)
+        serve(
+            app, config.host, config.port, config.client_limits, reuse_port=reuse_port, tally=tally
+        )
     )
 
 
@@ -484,3 +537,16 @@ def _replica_name(config: RouterConfig, member: ProcessMember | None) -> str:
     the processes sharing that port it is."""
     process = 0 if member is None else member.index
     return f"{config.host}:{config.port}/{process}"
+
+
+def _refused(status: int, code: str, message: str) -> Change:
+    return {"status": status, "code": code, "error": message}
+
+
+def _fleet_refusal(result: Change) -> web.Response:
+    return openai_error(
+        int(result.get("status", 409)),
+        str(result.get("error", "the worker was removed again")),
+        error_type="invalid_request_error",
+        code=str(result.get("code", "bad_worker")),
+    )

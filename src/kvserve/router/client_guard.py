@@ -23,6 +23,7 @@ from aiohttp.web_protocol import RequestHandler
 
 from kvserve.core.client_limits import ClientLimits, raw_error_response
 from kvserve.router.errors import openai_error
+from kvserve.router.shared_loads import ConnectionTally
 
 log = logging.getLogger(__name__)
 
@@ -42,17 +43,30 @@ def handler_settings(limits: ClientLimits) -> dict[str, Any]:
 class GuardedRequestHandler(RequestHandler):
     """aiohttp's connection handler, with the connection cap and 431 for big headers."""
 
-    def __init__(self, manager: web.Server, *, limits: ClientLimits, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        manager: web.Server,
+        *,
+        limits: ClientLimits,
+        tally: ConnectionTally | None = None,
+        **kwargs: Any,
+    ) -> None:
         super().__init__(manager, **kwargs)
         self._web_server = manager  # its connections are counted
         self._limits = limits
+        # The sibling processes' connections, counted against the cap, and told this
+        # process's count; None where another server counts the connections (lean's).
+        self._tally = tally
         self._refused: asyncio.Transport | None = None  # answered 503, closing
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        if len(self._web_server.connections) >= self._limits.max_connections:
+        others = 0 if self._tally is None else self._tally.others()
+        if len(self._web_server.connections) + others >= self._limits.max_connections:
             self._refuse(cast(asyncio.Transport, transport))
             return
         super().connection_made(transport)
+        if self._tally is not None:
+            self._tally.publish(len(self._web_server.connections))
 
     def _refuse(self, transport: asyncio.Transport) -> None:
         """Answer 503 without reading a request. The connection closes once the client's
@@ -67,6 +81,8 @@ class GuardedRequestHandler(RequestHandler):
     def connection_lost(self, exc: BaseException | None) -> None:
         if self._refused is None:  # a refused connection was never registered or started
             super().connection_lost(exc)
+            if self._tally is not None:
+                self._tally.publish(len(self._web_server.connections))
 
     def data_received(self, data: bytes) -> None:
         if self._refused is None:
@@ -132,11 +148,18 @@ def _headers_too_large(limits: ClientLimits) -> web.Response:
 
 
 async def serve(
-    app: web.Application, host: str, port: int, limits: ClientLimits, *, reuse_port: bool = False
+    app: web.Application,
+    host: str,
+    port: int,
+    limits: ClientLimits,
+    *,
+    reuse_port: bool = False,
+    tally: ConnectionTally | None = None,
 ) -> None:
     """Serve ``app`` until SIGINT or SIGTERM, then shut down gracefully (aiohttp's
     ``run_app``, with :class:`GuardedRequestHandler` for each connection). ``reuse_port``:
-    several processes bind ``port`` and the kernel spreads connections over them."""
+    several processes bind ``port`` and the kernel spreads connections over them;
+    ``tally`` then counts their connections together against the cap."""
     settings = handler_settings(limits)
     runner = web.AppRunner(app, handler_cancellation=True)
     await runner.setup()
@@ -145,7 +168,14 @@ async def serve(
     assert server is not None
 
     def connection() -> GuardedRequestHandler:
-        return GuardedRequestHandler(server, loop=loop, limits=limits, access_log=None, **settings)
+        return GuardedRequestHandler(
+            server,
+            loop=loop,
+            limits=limits,
+            tally=tally or ConnectionTally(),
+            access_log=None,
+            **settings,
+        )
 
     stop = asyncio.Event()
     for signum in (signal.SIGINT, signal.SIGTERM):

@@ -36,6 +36,7 @@ from kvserve.router.client_guard import GuardedRequestHandler, handler_settings
 from kvserve.router.config import RouterConfig
 from kvserve.router.errors import openai_error
 from kvserve.router.lean_request import LeanRequest, RelayedAnswer
+from kvserve.router.shared_loads import ConnectionTally
 
 log = logging.getLogger(__name__)
 
@@ -104,18 +105,23 @@ class LeanConnection(asyncio.Protocol):
         self._transport = transport
         peer = transport.get_extra_info("peername")
         self._remote = str(peer[0]) if isinstance(peer, (tuple, list)) else None
-        if len(self._server.connections) >= self._limits.max_connections:
+        server = self._server
+        if len(server.connections) + server.tally.others() >= self._limits.max_connections:
             message = f"The router serves at most {self._limits.max_connections} connections."
             transport.write(raw_error_response(503, message, "too_many_connections"))
             transport.write_eof()
             self._loop.call_later(2.0, transport.close)
             self._transport = None
             return
-        self._server.connections.add(self)
+        server.connections.add(self)
+        server.tally.publish(len(server.connections))
         self._arm_idle_timer()
 
     def connection_lost(self, exc: Exception | None) -> None:
-        self._server.connections.discard(self)
+        connections = self._server.connections
+        if self in connections:
+            connections.discard(self)
+            self._server.tally.publish(len(connections))
         self._stop_idle_timer()
         if self._worker is not None:
             self._worker.cancel()  # releases what the request holds (proxy's finally)
@@ -431,11 +437,13 @@ class LeanServer:
         limits: ClientLimits,
         max_body_bytes: int,
         private_path: str,
+        tally: ConnectionTally,
     ) -> None:
         self.handle = handle
         self.limits = limits
         self.max_body_bytes = max_body_bytes
         self.private_path = private_path
+        self.tally = tally  # the sibling processes' connections, for the cap
         self.connections: set[LeanConnection] = set()
 
     def connection(self) -> LeanConnection:
@@ -448,9 +456,11 @@ async def serve_lean(
     config: RouterConfig,
     *,
     reuse_port: bool = False,
+    tally: ConnectionTally | None = None,
 ) -> None:
     """Serve until SIGINT or SIGTERM: the lean server on the port, ``app`` behind it on a
-    private unix socket (in a directory only this process can enter)."""
+    private unix socket (in a directory only this process can enter). ``tally``: the
+    sibling processes' connections (with ``--processes``), counted against the cap."""
     limits = config.client_limits
     runner = web.AppRunner(app, handler_cancellation=True)
     await runner.setup()
@@ -468,7 +478,9 @@ async def serve_lean(
     with tempfile.TemporaryDirectory(prefix="kvserve-router-") as private_dir:
         private_path = os.path.join(private_dir, "app.sock")
         private = await loop.create_unix_server(private_connection, private_path)
-        lean = LeanServer(handle, limits, config.max_request_bytes, private_path)
+        lean = LeanServer(
+            handle, limits, config.max_request_bytes, private_path, tally or ConnectionTally()
+        )
         listener = await loop.create_server(
             lean.connection,
             config.host,

@@ -36,6 +36,9 @@ from kvserve.router.sibling_links import SiblingLinks
 log = logging.getLogger(__name__)
 
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+# Workers that can be added at run time (POST /workers) beyond the starting fleet: ids are
+# never reused, so each addition takes a slot of the shared table for the router's life.
+SPARE_WORKER_SLOTS = 1024
 
 
 @dataclass(frozen=True)
@@ -54,7 +57,8 @@ def run_process_group(config: RouterConfig, serve: Callable[[ProcessMember], Non
     count = config.processes
     _check_port_free(config.host, config.port)
     fleet = (*config.worker_urls, *config.prefill_urls, *config.decode_urls)
-    table = SharedLoadTable(count, len(fleet))  # one slot per worker, as registered
+    # One slot per worker, as registered; spare slots for the workers added at run time.
+    table = SharedLoadTable(count, len(fleet) + SPARE_WORKER_SLOTS)
     pairs = {(a, b): socket.socketpair() for a in range(count) for b in range(a + 1, count)}
     children: dict[int, int] = {}
     parent = os.getpid()
@@ -97,7 +101,7 @@ def _run_child(
         _terminate_with_parent()
         if os.getppid() != parent:
             return  # the parent died before the request took effect
-        mine = []
+        mine = []  # in the order of the siblings' indices: the pairs are (a, b), a < b, sorted
         for (a, b), (end_a, end_b) in pairs.items():
             if index in (a, b):
                 mine.append(end_a if index == a else end_b)
@@ -105,7 +109,7 @@ def _run_child(
             else:
                 end_a.close()
                 end_b.close()
-        serve(ProcessMember(index, count, table, SiblingLinks(mine)))
+        serve(ProcessMember(index, count, table, SiblingLinks(mine, index)))
         status = 0
     except BaseException:  # a child must never return into the parent's code
         log.exception("router process %d failed", index)

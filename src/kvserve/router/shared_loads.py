@@ -9,7 +9,10 @@ each cell is an aligned 8-byte integer, written and read whole.
 
 The table is an anonymous shared mapping made by the parent before it forks the
 processes, which inherit it; it has one slot per worker of the fleet the router starts
-with (the worker set is fixed while more than one process serves).
+with, and spare slots for workers added at run time (``fleet_changes.py``: every process
+adds them in the same order, so slots agree). It also holds each
+process's count of client connections, so that ``--max-connections`` bounds the router's
+connections, not each process's (:class:`ConnectionTally`).
 """
 
 from __future__ import annotations
@@ -29,9 +32,19 @@ class SharedLoadTable:
     def __init__(self, processes: int, slots: int) -> None:
         self.processes = processes
         self.slots = slots
-        # MAP_SHARED | MAP_ANONYMOUS: shared with the children forked after this.
-        self._memory = mmap.mmap(-1, max(1, processes * slots * 2) * _CELL)
+        # MAP_SHARED | MAP_ANONYMOUS: shared with the children forked after this. The
+        # loads' cells come first, then one cell per process for its client connections.
+        self._connections_at = processes * slots * 2
+        self._memory = mmap.mmap(-1, (self._connections_at + processes) * _CELL)
         self._cells = memoryview(self._memory).cast("q")
+
+    def write_connections(self, process: int, count: int) -> None:
+        self._cells[self._connections_at + process] = count
+
+    def connections_except(self, process: int) -> int:
+        """The client connections every other process holds."""
+        at = self._connections_at
+        return sum(self._cells[at + p] for p in range(self.processes) if p != process)
 
     def write(self, process: int, slot: int, requests: int, prefill_tokens: int) -> None:
         at = (process * self.slots + slot) * 2
@@ -72,6 +85,18 @@ class SharedLoadTracker(LoadTracker):
         self._table = table
         self._process = process
         self._slots = dict(slots)
+
+    def has_room(self) -> bool:
+        """Whether a worker can be added (see :meth:`add_worker`)."""
+        return len(self._slots) < self._table.slots
+
+    def add_worker(self, worker_id: str) -> None:
+        """Give a worker added at run time the next slot. Every process adds the same
+        workers in the same order, so slots agree; a removed worker keeps its slot (its
+        in-flight requests still release into it)."""
+        if not self.has_room():
+            raise ValueError("the shared load table has no slot left")
+        self._slots[worker_id] = len(self._slots)
 
     def load(self, worker_id: str) -> WorkerLoad:
         slot = self._slots.get(worker_id)
@@ -120,3 +145,20 @@ class SharedLoadTracker(LoadTracker):
             )
         if self._listener is not None:
             self._listener(self.load(worker_id))
+
+
+class ConnectionTally:
+    """The router's client connections beyond this process's own: its server counts its
+    own and checks ``own + others()`` against the cap, and publishes its count on every
+    change. Without a table (one process) there are no others."""
+
+    def __init__(self, table: SharedLoadTable | None = None, process: int = 0) -> None:
+        self._table = table
+        self._process = process
+
+    def others(self) -> int:
+        return 0 if self._table is None else self._table.connections_except(self._process)
+
+    def publish(self, own: int) -> None:
+        if self._table is not None:
+            self._table.write_connections(self._process, own)

@@ -17,7 +17,9 @@ load order (the other policies read loads only from the table, and announce none
 
 The parent makes one ``socketpair`` per pair of processes before forking, so the links
 need no addresses and no connecting (nor, unlike peers, renaming: every process
-registers the fixed fleet in the same order, so worker ids agree). Messages are
+registers the same workers in the same order, so worker ids agree). The links also carry
+the metrics' requests and replies (``sibling_metrics.py``) and the fleet's changes
+(``fleet_changes.py``). Messages are
 length-prefixed JSON announcements, one per loop iteration (however many requests were
 routed meanwhile), written to every sibling.
 """
@@ -25,6 +27,7 @@ routed meanwhile), written to every sibling.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import socket
 import struct
@@ -44,32 +47,59 @@ _LENGTH = struct.Struct("!I")
 class SiblingLinks:
     """This process's ends of its links to every sibling process: framed messages."""
 
-    def __init__(self, sockets: Sequence[socket.socket]) -> None:
-        self._sockets = list(sockets)
+    def __init__(self, sockets: Sequence[socket.socket], index: int = 0) -> None:
+        self._sockets = list(sockets)  # to each sibling, in the order of their indices
+        self._index = index  # this process's
         self._transports: list[asyncio.Transport] = []
 
-    async def start(self, on_message: Callable[[Any], None]) -> None:
+    def link_to(self, process: int) -> int:
+        """The number of the link to sibling ``process`` (for :meth:`send_to`)."""
+        if process == self._index:
+            raise ValueError("a process has no link to itself")
+        return process if process < self._index else process - 1
+
+    @property
+    def count(self) -> int:
+        """How many siblings this process has."""
+        return len(self._sockets)
+
+    async def start(self, on_message: Callable[[Any, int], None]) -> None:
         """Start reading every sibling's messages (each decoded and handed to
-        ``on_message``)."""
+        ``on_message`` with the number of the link it came on, for :meth:`send_to`)."""
         loop = asyncio.get_running_loop()
-        for sock in self._sockets:
+        for link, sock in enumerate(self._sockets):
             sock.setblocking(False)
-            transport, _ = await loop.create_unix_connection(
-                lambda: _MessageReader(on_message), sock=sock
+            reader = functools.partial(
+                _MessageReader, functools.partial(_from_link, on_message, link)
             )
+            transport, _ = await loop.create_unix_connection(reader, sock=sock)
             self._transports.append(transport)
 
     def send(self, message: object) -> None:
         """Write ``message`` to every sibling (buffered by the transports, not awaited)."""
-        payload = orjson.dumps(message)
-        data = _LENGTH.pack(len(payload)) + payload
+        data = _framed(message)
         for transport in self._transports:
             if not transport.is_closing():
                 transport.write(data)
 
+    def send_to(self, link: int, message: object) -> None:
+        """Write ``message`` to the sibling on ``link`` only."""
+        transport = self._transports[link]
+        if not transport.is_closing():
+            transport.write(_framed(message))
+
     def close(self) -> None:
         for transport in self._transports:
             transport.close()
+
+
+def _from_link(on_message: Callable[[Any, int], None], link: int, message: object) -> None:
+    on_message(message, link)
+
+
+def _framed(message: object) -> bytes:
+    payload = orjson.dumps(message)
+    return _LENGTH.pack(len(payload)) + payload
 
 
 class _MessageReader(asyncio.Protocol):
@@ -119,8 +149,15 @@ class SiblingAnnouncements:
         self.announcer = Announcer(f"process-{index}", on_note=self._schedule, stamp_times=True)
         self._flush_scheduled = False
 
-    async def start(self) -> None:
-        await self._links.start(self._receive)
+    async def start(self, on_other: Callable[[Any, int], bool] | None = None) -> None:
+        """Apply the siblings' announcements; a message ``on_other`` takes (returns True
+        for) is not one: the links carry the metrics' requests and replies too."""
+
+        def receive(message: object, link: int) -> None:
+            if on_other is None or not on_other(message, link):
+                self._receive(message)
+
+        await self._links.start(receive)
 
     def _schedule(self) -> None:
         """A note was taken: send everything noted this loop iteration once it ends."""
