@@ -27,7 +27,12 @@ ROUTER_MODE_OPTIONS = tuple(shlex.split(os.environ.get("KVSERVE_TEST_ROUTER_OPTI
 _REFUSED_BESIDE = {"--processes": ("--peers",)}
 
 
-def _skip_if_mode_refuses(options: Sequence[str]) -> None:
+def _skip_where_the_mode_does_not_apply(options: Sequence[str]) -> None:
+    """Skip a router the mode cannot start, or that it would not change (the test sets
+    every option of the mode itself: the main run has already run it as it is)."""
+    mode_names = [option for option in ROUTER_MODE_OPTIONS if option.startswith("--")]
+    if mode_names and all(name in options for name in mode_names):
+        pytest.skip(f"the test sets {' '.join(mode_names)} itself (run as it is by the main run)")
     for mode_option, refused in _REFUSED_BESIDE.items():
         clash = [option for option in refused if option in options]
         if mode_option in ROUTER_MODE_OPTIONS and clash:
@@ -48,7 +53,7 @@ def start_router(
 ) -> ServerProcess:
     """``kvserve router`` over ``worker_urls``, answering 200 on ``ready_path`` on return
     (``/health``: some worker is up; ``/metrics``: the router itself is)."""
-    _skip_if_mode_refuses(options)
+    _skip_where_the_mode_does_not_apply(options)
     args = [
         *KVSERVE_COMMAND,
         "router",
