@@ -8,8 +8,7 @@ import contextlib
 import gc
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
-from typing import Any
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 import aiohttp
 import orjson
@@ -114,7 +113,9 @@ class Router:
             member.links if several and member is not None else None,
             0 if member is None else member.index,
         )
-        self._background_tasks: set[asyncio.Task[object]] = set()
+        # An added worker's first health check, until it ends: every process makes one,
+        # and the process answering the POST waits for its own.
+        self._first_probes: dict[str, asyncio.Task[bool]] = {}
         if self.peers is not None:  # one replica of several, each seeing only its own guards
             # Not for sibling processes: they read one exact table of loads and hear each
             # other within a loop iteration, so a salt would only move short prompts off
@@ -404,8 +405,9 @@ class Router:
         worker = None if "status" in result else self.registry.get(result["worker_id"])
         if worker is None:  # refused (or removed again before this answer)
             return _fleet_refusal(result)
-        assert self._health is not None
-        await self._health.probe(worker)
+        probe = self._first_probes.get(worker.worker_id)
+        if probe is not None:  # else it has ended already
+            await asyncio.shield(probe)
         return _json(self._describe(worker), status=201)
 
     async def remove_worker(self, request: web.Request) -> web.Response:
@@ -417,12 +419,6 @@ class Router:
         if "status" in result:
             return _fleet_refusal(result)
         return _json(worker.describe() if worker is not None else result)
-
-    def _background(self, work: Coroutine[Any, Any, object]) -> None:
-        """Run ``work`` without awaiting it, holding it until it ends."""
-        task = asyncio.get_running_loop().create_task(work)
-        self._background_tasks.add(task)
-        task.add_done_callback(self._background_tasks.discard)
 
     def _apply_fleet_change(self, change: Change) -> Change:
         """Apply one worker addition or removal to this process's state (every process
@@ -443,8 +439,10 @@ class Router:
             return _refused(409, "bad_worker", str(error))
         if isinstance(self.tracker, SharedLoadTracker):
             self.tracker.add_worker(worker.worker_id)
-        if self._health is not None:  # checked now here too, not at the next interval
-            self._background(self._health.probe(worker))
+        if self._health is not None:  # checked now, not at the next interval
+            probe = asyncio.get_running_loop().create_task(self._health.probe(worker))
+            self._first_probes[worker.worker_id] = probe
+            probe.add_done_callback(lambda _: self._first_probes.pop(worker.worker_id, None))
         log.info("added worker %s at %s", worker.worker_id, worker.url)
         return {"worker_id": worker.worker_id}
 
