@@ -146,6 +146,45 @@ def test_workers_added_and_removed_through_either_process_change_both(
             server.stop()
 
 
+def test_metrics_and_the_dashboard_count_every_process_requests(router: ServerProcess) -> None:
+    """A scrape of either process, and the dashboard of either, show the router's total."""
+
+    def requests_on_metrics() -> tuple[str, float]:
+        answer = httpx.get(router.url + "/metrics", timeout=10)
+        total = sum(
+            float(line.rsplit(" ", 1)[1])
+            for line in answer.text.splitlines()
+            if line.startswith("kvserve_router_requests_total{")
+        )
+        return answer.headers["x-kvserve-router-process"], total
+
+    before = requests_on_metrics()[1]
+    served = set()
+    for sent in range(1, 61):  # fresh connections until both processes served some
+        answer = httpx.post(router.url + "/v1/completions", json={"prompt": "count"}, timeout=30)
+        assert answer.status_code == 200
+        served.add(answer.headers["x-kvserve-router-process"])
+        if len(served) == 2 and sent >= 6:
+            break
+    assert served == {"0", "1"}
+    totals = {}
+    for _ in range(60):
+        process, total = requests_on_metrics()
+        totals[process] = total
+        if len(totals) == 2:
+            break
+    assert totals == {"0": before + sent, "1": before + sent}
+
+    def dashboards_agree() -> bool:  # 20 fresh connections: both processes answer some
+        counts = {
+            httpx.get(router.url + "/dashboard/data", timeout=10).json()["fleet"]["requests"]
+            for _ in range(20)
+        }
+        return counts == {before + sent}
+
+    _poll(dashboards_agree, "both dashboards count every request", within_s=30)
+
+
 def test_sigterm_to_the_parent_stops_every_process(foreign_fleet: list[ServerProcess]) -> None:
     process = start_router([foreign_fleet[0].url], free_port(), "--processes", "2")
     try:

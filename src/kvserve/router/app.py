@@ -163,7 +163,10 @@ class Router:
             self._proxy = proxy_type(*proxy_args, session, preparer=self.preparer, process=process)
             self._health = HealthChecker(self.registry, self.config.health, self.metrics, session)
             await self._health.probe_all()
-            self._sampler = FleetSampler(self.registry, self.metrics, session)
+            summed = None if self._sibling_metrics is None else self._sibling_metrics.families
+            self._sampler = FleetSampler(
+                self.registry, self.metrics, session, summed_families=summed
+            )
             tasks = [asyncio.create_task(self._health.run_forever())]
             tasks.append(asyncio.create_task(self._sampler.run_forever()))
             if self.policy.observes_kv_events:  # every worker's stream, of every pool

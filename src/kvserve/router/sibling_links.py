@@ -33,7 +33,7 @@ import socket
 import struct
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, cast
 
 import orjson
 
@@ -50,7 +50,10 @@ class SiblingLinks:
     def __init__(self, sockets: Sequence[socket.socket], index: int = 0) -> None:
         self._sockets = list(sockets)  # to each sibling, in the order of their indices
         self._index = index  # this process's
-        self._transports: list[asyncio.Transport] = []
+        # One reader per link, made before any link is read: a message (a metrics
+        # request) can arrive on a link, and be answered on it, while the later links
+        # are still being set up.
+        self._readers: list[_MessageReader] = []
 
     def link_to(self, process: int) -> int:
         """The number of the link to sibling ``process`` (for :meth:`send_to`)."""
@@ -67,34 +70,35 @@ class SiblingLinks:
         """Start reading every sibling's messages (each decoded and handed to
         ``on_message`` with the number of the link it came on, for :meth:`send_to`)."""
         loop = asyncio.get_running_loop()
-        for link, sock in enumerate(self._sockets):
+        self._readers = [
+            _MessageReader(functools.partial(_from_link, on_message, link))
+            for link in range(len(self._sockets))
+        ]
+        for reader, sock in zip(self._readers, self._sockets, strict=True):
             sock.setblocking(False)
-            reader = functools.partial(
-                _MessageReader, functools.partial(_from_link, on_message, link)
-            )
-            transport, _ = await loop.create_unix_connection(reader, sock=sock)
-            self._transports.append(transport)
+            await loop.create_unix_connection(functools.partial(_itself, reader), sock=sock)
 
     def send(self, message: object) -> None:
         """Write ``message`` to every sibling (buffered by the transports, not awaited)."""
         data = _framed(message)
-        for transport in self._transports:
-            if not transport.is_closing():
-                transport.write(data)
+        for reader in self._readers:
+            reader.write(data)
 
     def send_to(self, link: int, message: object) -> None:
         """Write ``message`` to the sibling on ``link`` only."""
-        transport = self._transports[link]
-        if not transport.is_closing():
-            transport.write(_framed(message))
+        self._readers[link].write(_framed(message))
 
     def close(self) -> None:
-        for transport in self._transports:
-            transport.close()
+        for reader in self._readers:
+            reader.close()
 
 
 def _from_link(on_message: Callable[[Any, int], None], link: int, message: object) -> None:
     on_message(message, link)
+
+
+def _itself(reader: _MessageReader) -> _MessageReader:
+    return reader
 
 
 def _framed(message: object) -> bytes:
@@ -103,11 +107,24 @@ def _framed(message: object) -> bytes:
 
 
 class _MessageReader(asyncio.Protocol):
-    """Splits a sibling's byte stream into messages."""
+    """One link: splits the sibling's byte stream into messages, and writes to it."""
 
     def __init__(self, on_message: Callable[[Any], None]) -> None:
         self._on_message = on_message
         self._buffer = bytearray()
+        self._transport: asyncio.Transport | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self._transport = cast(asyncio.Transport, transport)
+
+    def write(self, data: bytes) -> None:
+        transport = self._transport
+        if transport is not None and not transport.is_closing():
+            transport.write(data)
+
+    def close(self) -> None:
+        if self._transport is not None:
+            self._transport.close()
 
     def data_received(self, data: bytes) -> None:
         buffer = self._buffer
@@ -118,8 +135,12 @@ class _MessageReader(asyncio.Protocol):
             end = start + _LENGTH.size + length
             if len(buffer) < end:
                 break
-            self._on_message(orjson.loads(memoryview(buffer)[start + _LENGTH.size : end]))
+            message = orjson.loads(memoryview(buffer)[start + _LENGTH.size : end])
             start = end
+            try:
+                self._on_message(message)
+            except Exception:  # a bug handling one message must not cut the link
+                log.exception("a sibling router process's message failed")
         del buffer[:start]
 
     def connection_lost(self, exc: Exception | None) -> None:

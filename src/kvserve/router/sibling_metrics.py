@@ -121,6 +121,17 @@ class SiblingMetrics:
 
     async def render(self) -> bytes:
         """The exposition of this process's metrics with every sibling's counts added."""
+        families, answered = await self.families()
+        answered_gauge = GaugeMetricFamily(
+            "kvserve_router_metrics_processes_answered",
+            "Router processes whose counts this scrape sums (this one included).",
+            value=answered,
+        )
+        return generate_latest(_Families([*families, answered_gauge]))
+
+    async def families(self) -> tuple[list[Metric], int]:
+        """This process's families with every sibling's counts added, and how many
+        processes answered (this one included)."""
         request = next(self._ids)
         done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         replies: list[list[FamilyJson]] = []
@@ -137,10 +148,4 @@ class SiblingMetrics:
             )
         finally:
             del self._waiting[request]
-        answered = GaugeMetricFamily(
-            "kvserve_router_metrics_processes_answered",
-            "Router processes whose counts this scrape sums (this one included).",
-            value=1 + len(replies),
-        )
-        families = summed(self._registry.collect(), list(replies))
-        return generate_latest(_Families([*families, answered]))
+        return summed(self._registry.collect(), list(replies)), 1 + len(replies)

@@ -22,7 +22,7 @@ def dashboard_data(
     sampler: FleetSampler,
     policy: str,
 ) -> dict[str, object]:
-    figures = read_router_figures(metrics.registry)
+    figures = sampler.summed_figures or read_router_figures(metrics.registry.collect())
     workers = registry.all()
     reports = [r for w in workers if (r := sampler.reports.get(w.worker_id)) is not None]
     rows = []

@@ -1,12 +1,14 @@
-"""The router's own per-worker counters, read from its Prometheus registry so that the
-dashboard and ``/metrics`` can never disagree about them."""
+"""The router's own per-worker counters, read from its Prometheus families (its registry's,
+or with several processes every process's summed) so that the dashboard and ``/metrics``
+can never disagree about them."""
 
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from prometheus_client import CollectorRegistry
+from prometheus_client.core import Metric
 
 NO_WORKER = "none"  # the ``worker`` label of rejections no worker saw (router/proxy.py)
 
@@ -39,10 +41,10 @@ class RouterFigures:
     decisions: dict[tuple[str, str], float] = field(default_factory=dict)
 
 
-def read_router_figures(registry: CollectorRegistry) -> RouterFigures:
-    """One pass over the registry (microseconds per worker; never on the request path)."""
+def read_router_figures(families: Iterable[Metric]) -> RouterFigures:
+    """One pass over the families (microseconds per worker; never on the request path)."""
     figures = RouterFigures()
-    for family in registry.collect():
+    for family in families:
         for sample in family.samples:
             labels = sample.labels
             worker = labels.get("worker", NO_WORKER)

@@ -13,17 +13,19 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 import aiohttp
+from prometheus_client.core import Metric
 
 from kvserve.router.dashboard.history import History, Totals
-from kvserve.router.dashboard.router_figures import read_router_figures
+from kvserve.router.dashboard.router_figures import RouterFigures, read_router_figures
 from kvserve.router.dashboard.worker_report import NoReport, WorkerReport, scrape_worker
 from kvserve.router.metrics import RouterMetrics
 from kvserve.router.worker_registry import WorkerRegistry
 
 SAMPLE_INTERVAL_S = 1.0
+SummedFamilies = Callable[[], Awaitable[tuple[list[Metric], int]]]
 FOREIGN_RETRY_S = 60.0
 
 
@@ -36,9 +38,15 @@ class FleetSampler:
         interval_s: float = SAMPLE_INTERVAL_S,
         clock: Callable[[], float] = time.monotonic,
         wall_clock: Callable[[], float] = time.time,
+        summed_families: SummedFamilies | None = None,
     ) -> None:
         self._registry = registry
         self._metrics = metrics
+        # With several router processes: every process's counters, summed; the latest
+        # figures read from them are what the dashboard shows (the router's, not this
+        # process's share).
+        self._summed_families = summed_families
+        self.summed_figures: RouterFigures | None = None
         self._session = session
         self.interval_s = interval_s
         self._clock = clock
@@ -66,7 +74,10 @@ class FleetSampler:
                 self._foreign_at.pop(worker.worker_id, None)
             elif answer is NoReport.FOREIGN:
                 self._foreign_at[worker.worker_id] = now
-        figures = read_router_figures(self._metrics.registry)
+        if self._summed_families is None:
+            figures = read_router_figures(self._metrics.registry.collect())
+        else:
+            figures = self.summed_figures = read_router_figures((await self._summed_families())[0])
         totals = {}
         for worker in workers:
             counts = figures.workers[worker.worker_id]
