@@ -32,12 +32,12 @@ def _metrics(requests: int, ttft_s: float, healthy: int) -> RouterMetrics:
     return metrics
 
 
-def test_counts_are_summed_and_gauges_are_the_answering_process_own() -> None:
+def _scraped_with_a_sibling(a_metrics: RouterMetrics, b_metrics: RouterMetrics) -> bytes:
+    """Process a's answer to a scrape, with b its one sibling."""
+
     async def scenario() -> bytes:
         links_a, links_b = (SiblingLinks([end]) for end in socket.socketpair())
-        a = SiblingMetrics(links_a, _metrics(2, 0.02, 1).registry)
-        b_metrics = _metrics(3, 2.0, 0)
-        b_metrics.decisions.labels("kv_aware", "cache_hit").inc(7)  # a series only b has
+        a = SiblingMetrics(links_a, a_metrics.registry)
         b = SiblingMetrics(links_b, b_metrics.registry)
         await links_a.start(a.on_message)
         await links_b.start(b.on_message)
@@ -46,7 +46,13 @@ def test_counts_are_summed_and_gauges_are_the_answering_process_own() -> None:
         links_b.close()
         return text
 
-    values = _values(asyncio.run(scenario()))
+    return asyncio.run(scenario())
+
+
+def test_counts_are_summed_and_gauges_are_the_answering_process_own() -> None:
+    b_metrics = _metrics(3, 2.0, 0)
+    b_metrics.decisions.labels("kv_aware", "cache_hit").inc(7)  # a series only b has
+    values = _values(_scraped_with_a_sibling(_metrics(2, 0.02, 1), b_metrics))
     assert values[("kvserve_router_requests_total", (("status", "200"), ("worker", "w0")))] == 5
     assert values[("kvserve_router_ttft_seconds_count", (("worker", "w0"),))] == 5
     assert values[("kvserve_router_ttft_seconds_sum", (("worker", "w0"),))] == 2 * 0.02 + 3 * 2.0
@@ -79,17 +85,7 @@ def test_a_sibling_that_does_not_answer_is_left_out_after_the_timeout() -> None:
 
 
 def test_a_gauge_of_a_sibling_is_not_added_even_where_this_process_lacks_it() -> None:
-    async def scenario() -> bytes:
-        links_a, links_b = (SiblingLinks([end]) for end in socket.socketpair())
-        a = SiblingMetrics(links_a, _metrics(1, 0.02, 1).registry)
-        b_metrics = _metrics(1, 0.02, 1)
-        Gauge("only_in_b", "a gauge", registry=b_metrics.registry).set(5)
-        b = SiblingMetrics(links_b, b_metrics.registry)
-        await links_a.start(a.on_message)
-        await links_b.start(b.on_message)
-        text = await a.render()
-        links_a.close()
-        links_b.close()
-        return text
-
-    assert ("only_in_b", ()) not in _values(asyncio.run(scenario()))
+    b_metrics = _metrics(1, 0.02, 1)
+    Gauge("only_in_b", "a gauge", registry=b_metrics.registry).set(5)
+    text = _scraped_with_a_sibling(_metrics(1, 0.02, 1), b_metrics)
+    assert ("only_in_b", ()) not in _values(text)
