@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from kvserve.router.ports import free_port
-from tests.support.processes import ServerProcess, start_router
+from tests.support.processes import ServerProcess, router_processes, start_router
 from tests.support.vllm_publisher import VllmFormatPublisher, block_stored
 
 BS = 32
@@ -59,16 +59,16 @@ def test_sources_by_flag_and_by_post_are_followed(
             "/workers", json={"url": foreign_fleet[1].url, "kv_events": source(publishers[1])}
         )
         assert added.status_code == 201 and added.json()["kv_events"] == source(publishers[1])
-        for publisher in publishers:  # each router follower subscribed
-            publisher.wait_for_subscriber()
+        for publisher in publishers:  # each router follower (one per process) subscribed
+            publisher.wait_for_subscriber(count=router_processes())
 
         # Worker w1 (added by POST) reports a 3-block prefix; its engine names are its own.
         prefix = list(range(200, 200 + 3 * BS))
         publishers[1].publish([block_stored([1, 2, 3], None, prefix, BS)])
 
-        def learned() -> bool:
-            stream = http.get("/workers").json()["workers"][1]["kv_events_stream"]
-            return bool(stream["next_seq"] == 1)
+        def learned() -> bool:  # by the process this client's connection reaches
+            stream = http.get("/workers").json()["workers"][1].get("kv_events_stream")
+            return stream is not None and bool(stream["next_seq"] == 1)
 
         until(learned, "the router applied w1's event")
         body = {"model": "foreign", "prompt": [*prefix, 7, 8], "max_tokens": 2}

@@ -14,7 +14,7 @@ import pytest
 
 from kvserve.router.local_fleet import KVSERVE_COMMAND, ServerProcess
 
-__all__ = ["ServerProcess", "start_foreign_server", "start_router"]
+__all__ = ["ServerProcess", "router_processes", "start_foreign_server", "start_router"]
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 FOREIGN_SERVER = REPO_ROOT / "tests" / "support" / "foreign_openai_server.py"
@@ -25,6 +25,13 @@ ROUTER_MODE_OPTIONS = tuple(shlex.split(os.environ.get("KVSERVE_TEST_ROUTER_OPTI
 # What a mode's option refuses beside it (``RouterConfig`` says why): such a test is
 # skipped in that mode, with the reason, rather than run in another mode under its name.
 _REFUSED_BESIDE = {"--processes": ("--peers",)}
+
+
+def router_processes(options: Sequence[str] = ()) -> int:
+    """How many processes a router started with ``options`` runs, in this mode."""
+    chosen = [*ROUTER_MODE_OPTIONS, *options]
+    at = max((i for i, option in enumerate(chosen) if option == "--processes"), default=None)
+    return 1 if at is None else int(chosen[at + 1])
 
 
 def _skip_where_the_mode_does_not_apply(options: Sequence[str]) -> None:

@@ -59,6 +59,7 @@ class VllmFormatPublisher:
         self.buffer: list[tuple[int, bytes]] = []
         self.next_seq = 0
         self.pub = self._bind(zmq.XPUB, port)
+        self.pub.setsockopt(zmq.XPUB_VERBOSE, 1)  # every subscriber's subscription, not the first
         self.replays_served = 0
         self._stop = threading.Event()
         self._replay_thread: threading.Thread | None = None
@@ -81,11 +82,15 @@ class VllmFormatPublisher:
                     raise
                 time.sleep(0.05)
 
-    def wait_for_subscriber(self, timeout_s: float = 10.0) -> None:
-        """Block until a SUB's subscription arrives (XPUB delivers it as a message)."""
-        if not self.pub.poll(int(timeout_s * 1000)):
-            raise TimeoutError("no subscriber connected")
-        assert self.pub.recv()[:1] == b"\x01"
+    def wait_for_subscriber(self, timeout_s: float = 10.0, count: int = 1) -> None:
+        """Block until ``count`` SUBs' subscriptions arrive (XPUB delivers each as a
+        message): a router of several processes subscribes once per process."""
+        deadline = time.monotonic() + timeout_s
+        for _ in range(count):
+            left_ms = int(max(0.0, deadline - time.monotonic()) * 1000)
+            if not self.pub.poll(left_ms):
+                raise TimeoutError("no subscriber connected")
+            assert self.pub.recv()[:1] == b"\x01"
 
     def publish(self, events: list[dict[str, Any]], *, send: bool = True) -> int:
         """One step's batch under the next seq; ``send=False`` buffers it for the replay
