@@ -5,8 +5,10 @@ hits all alike:
 
 - ``cache_aware``: the policy over its approximate tree (the prompt as one character
   per block, as the simulator builds it);
-- ``kv_aware``: the policy as it runs now (holders from one index walk, the lightest
-  loads from :class:`~kvserve.core.routing.load_order.LoadOrder`);
+- ``kv_aware``: the policy as it runs now (up to
+  :data:`~kvserve.core.routing.kv_aware.SMALL_FLEET` workers every worker scored from
+  one index walk; past it, holders from that walk and the lightest loads from
+  :class:`~kvserve.core.routing.load_order.LoadOrder`);
 - ``kv_aware exhaustive``: the reference rule, every worker matched and predicted
   (:func:`~kvserve.core.routing.kv_aware.lowest_ttft`): what kv_aware did before.
 

@@ -189,6 +189,20 @@ def test_an_idle_fleet_spreads_its_misses_over_all_of_it() -> None:
     assert len(chosen) > 40
 
 
+def test_workers_first_seen_by_a_whole_fleets_decision_hold_nothing() -> None:
+    """A fleet predicted whole reads each worker's depth from the walk's layers by its
+    slot's byte; workers first seen in the decision get slots past the layers' bytes and
+    are predicted as holding nothing, not read out of range."""
+    routing, known = build([(1, 200 * i, [(4, "device", False)], None, 0, 0) for i in range(3)])
+    routing.small_fleet = SMALL_FLEET
+    newcomers = [WorkerLoad(f"n{i}", 1, 10) for i in range(30)]
+    assert_fast_equals_exhaustive(routing, known + newcomers, PROMPT[:6], now=0.0)
+    assert routing.best(known + newcomers, PROMPT[:6], 6 * BLOCK + 7, BLOCK, 0.0).reason in {
+        "cache_hit",
+        "load_spread",
+    }
+
+
 def test_a_worker_learnt_from_select_then_follows_load_changes() -> None:
     routing = KvAwareRouting(CONFIG)
     routing.small_fleet = 0  # learnt by the load orders, not predicted whole
@@ -222,16 +236,22 @@ def test_the_lightest_queue_is_found_behind_a_drained_worker_further_in_both_ord
     prompt_blocks=st.integers(1, 12),
     now=st.floats(0.0, 0.8),
 )
+@pytest.mark.parametrize("small_fleet", [0, SMALL_FLEET])  # searched; predicted whole
 def test_a_large_group_of_holders_reduces_to_its_lightest(
-    fleet: list[tuple[int, int, int, float | None, int]], prompt_blocks: int, now: float
+    small_fleet: int,
+    fleet: list[tuple[int, int, int, float | None, int]],
+    prompt_blocks: int,
+    now: float,
 ) -> None:
     """Groups of tens of holders sharing one match, their lightest found from the load
-    terms the load order keeps: the choice is still the reference's."""
+    terms the load order keeps (or every worker read from the walk's layers): the choice
+    is still the reference's."""
     routing, loads = build(
         [
             (requests, tokens, [(depth, "device", False)] if depth else [], queued, 0, others)
             for requests, tokens, depth, queued, others in fleet
-        ]
+        ],
+        small_fleet,
     )
     assert_fast_equals_exhaustive(routing, loads, PROMPT[:prompt_blocks], now)
 

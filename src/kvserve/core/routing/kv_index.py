@@ -300,11 +300,17 @@ class KVBlockIndex:
             pending = self._speculative.get(worker_id)
             if not pending:
                 continue
-            bit, drop = _bit(self._slots[worker_id], "device"), self._speculative_holders.drop
-            for block_hash in block_hashes:
+            bit = _bit(self._slots[worker_id], "device")
+            shards = self._speculative_holders.shards
+            for block_hash in block_hashes:  # SpeculativeMasks.drop's steps, inlined
                 if pending.get(block_hash) == deadline:
                     del pending[block_hash]
-                    drop(block_hash, bit)
+                    shard = shards[block_hash & SHARD_MASK]
+                    mask = shard[block_hash]
+                    if mask == bit:
+                        del shard[block_hash]
+                    else:
+                        shard[block_hash] = mask & ~bit
                     dropped += 1
         return dropped
 
@@ -331,6 +337,31 @@ class KVBlockIndex:
             for worker_id in self.members(members):
                 result[worker_id] = match
         return result
+
+    def holder_layers(
+        self, block_hashes: Sequence[int], now: float
+    ) -> tuple[list[tuple[int, bytes]], dict[str, WorkerMatch]]:
+        """:meth:`holder_groups` for a fleet predicted whole, as its scoring reads it:
+        (matched blocks, members) per depth for the holders whose match is all on device
+        (or speculative), the members as the mask's bytes (little-endian, as long as
+        every slot's: slot ``s`` is in iff ``members[3s >> 3] >> (3s & 7) & 1``), and the
+        other holders' matches split by tier, by worker. A worker is then found in its
+        layer by a byte lookup: listing a popular prefix's holders bit by bit cost more
+        than the rest of a 100-worker decision."""
+        self.expire(now)
+        by_depth, off_device = self._depths(block_hashes)
+        width = (self._first_bits.bit_length() + 7) // 8
+        layers: list[tuple[int, bytes]] = []
+        apart: dict[str, WorkerMatch] = {}
+        for matched, members in by_depth:
+            walked = members & off_device
+            if walked:
+                for worker_id in self.members(walked):
+                    apart[worker_id] = self._walk(worker_id, block_hashes, matched)
+                members &= ~off_device
+            if members:
+                layers.append((matched, members.to_bytes(width, "little")))
+        return layers, apart
 
     def holder_groups(self, block_hashes: Sequence[int], now: float) -> HolderGroups:
         """Every worker whose match is not empty, in one walk of the prompt whatever the
