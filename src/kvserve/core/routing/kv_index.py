@@ -271,8 +271,12 @@ class KVBlockIndex:
         confirmed = self._held.get((worker_id, "device"), ())
         fresh = dict.fromkeys(filterfalse(confirmed.__contains__, block_hashes), deadline)
         if fresh:
+            # the masks already hold the bit of every hash pending here: a burst sharing
+            # a prefix speculates it again on the same worker, renewing deadlines only
+            added = list(filterfalse(pending.__contains__, fresh))
             pending.update(fresh)
-            self._speculative_holders.add(fresh, bit)
+            if added:
+                self._speculative_holders.add(added, bit)
             batch = self._next_batch
             self._next_batch += 1
             self._batches[batch] = fresh
@@ -295,23 +299,24 @@ class KVBlockIndex:
         """Drop speculative entries whose deadline passed; returns how many."""
         dropped = 0
         while self._deadlines and self._deadlines[0][0] <= now:
-            deadline, worker_id, batch = heapq.heappop(self._deadlines)
-            block_hashes = self._batches.pop(batch)
+            _, worker_id, batch = heapq.heappop(self._deadlines)
+            speculated = self._batches.pop(batch)  # hash -> the batch's deadline
             pending = self._speculative.get(worker_id)
             if not pending:
                 continue
             bit = _bit(self._slots[worker_id], "device")
             shards = self._speculative_holders.shards
-            for block_hash in block_hashes:  # SpeculativeMasks.drop's steps, inlined
-                if pending.get(block_hash) == deadline:
-                    del pending[block_hash]
-                    shard = shards[block_hash & SHARD_MASK]
-                    mask = shard[block_hash]
-                    if mask == bit:
-                        del shard[block_hash]
-                    else:
-                        shard[block_hash] = mask & ~bit
-                    dropped += 1
+            # the batch's entries no later speculation renewed, found in C: most of a
+            # long prompt's are renewed where a burst or a conversation returns to it
+            for block_hash, _ in speculated.items() & pending.items():
+                del pending[block_hash]
+                shard = shards[block_hash & SHARD_MASK]  # SpeculativeMasks.drop, inlined
+                mask = shard[block_hash]
+                if mask == bit:
+                    del shard[block_hash]
+                else:
+                    shard[block_hash] = mask & ~bit
+                dropped += 1
         return dropped
 
     def num_speculative(self, worker_id: str) -> int:
