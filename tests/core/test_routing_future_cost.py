@@ -58,12 +58,15 @@ def route(policy: KvAwarePolicy, now: float) -> tuple[str, str]:
 
 
 def evict_on_w0(policy: KvAwarePolicy, blocks_per_second: int, seconds: int) -> None:
-    """w0 evicts other blocks at a steady rate, sampled by decisions that do not count."""
-    turnover = policy.routing.future.turnover
-    turnover.eviction_rate("w0", 0.0)
+    """w0 evicts other blocks at a steady rate, sampled by decisions that do not count
+    (where the policy keeps the turnover: only with a discount to apply)."""
+    future = policy.routing.future
+    if future is not None:
+        future.turnover.eviction_rate("w0", 0.0)
     for second in range(seconds):
         policy.observe_events("w0", [removed(blocks_per_second, 10_000 * (second + 1))])
-        turnover.eviction_rate("w0", second + 1.0)
+        if future is not None:
+            future.turnover.eviction_rate("w0", second + 1.0)
 
 
 def test_a_holder_with_room_keeps_its_request() -> None:
@@ -103,8 +106,16 @@ def test_a_holder_whose_running_sequences_fill_its_cache_is_not_waited_for() -> 
 
 def test_margin_zero_turns_the_discount_off() -> None:
     policy = busy_holder(dataclasses.replace(CONFIG, retention_margin=0.0))
+    assert policy.routing.future is None  # nothing kept that no decision reads
     evict_on_w0(policy, blocks_per_second=500, seconds=5)
     assert route(policy, now=5.0) == ("w0", "cache_hit")
+
+
+def test_weight_zero_keeps_nothing_for_the_discount() -> None:
+    policy = KvAwarePolicy(dataclasses.replace(CONFIG, recompute_weight=0.0))
+    assert policy.routing.future is None
+    policy.observe_events("w0", [removed(10)])
+    route(policy, now=0.0)
 
 
 def test_eviction_rate_averages_removed_device_blocks_over_time() -> None:

@@ -88,6 +88,7 @@ from typing import Any, NamedTuple
 import xxhash
 
 from kvserve.core.cost_model import CostModel
+from kvserve.core.kv_events import KVEvent
 from kvserve.core.routing.future_cost import FutureCost, HolderPressure
 from kvserve.core.routing.kv_index import TIERS, KVBlockIndex, WorkerMatch
 from kvserve.core.routing.load_order import LoadOrder
@@ -414,7 +415,12 @@ class KvAwareRouting:
             config.prefill_s, config.decode_request_s, self.index.slot, len(TIERS)
         )
         self.queue = PrefillQueue(self.loads)
-        self.future = FutureCost(HolderPressure(config.retention_margin, config.retention_window_s))
+        # what the discount of the recompute weight reads: kept only where it is applied
+        # (a weight of 0, the default, or a margin of 0 reads none of it)
+        self.future: FutureCost | None = None
+        if config.recompute_weight and config.retention_margin:
+            pressure = HolderPressure(config.retention_margin, config.retention_window_s)
+            self.future = FutureCost(pressure)
         self.salt: ReplicaSalt | None = None
         self.small_fleet = SMALL_FLEET  # fleets up to this size are predicted whole
 
@@ -591,11 +597,11 @@ class KvAwareRouting:
         now: float,
     ) -> float:
         """The recompute weight for this decision, discounted by holder pressure."""
-        base = self.config.recompute_weight
-        if not base or not self.config.retention_margin:
+        base, future = self.config.recompute_weight, self.future
+        if future is None:  # no weight, or no discount
             return base
         held = {w.worker_id: self.index.num_blocks(w.worker_id) for w, _, c in scored if c}
-        return self.future.weight(base, scored, held, block_size, prompt_tokens, now)
+        return future.weight(base, scored, held, block_size, prompt_tokens, now)
 
     def _lightest_holders(
         self, members: int, eligible: Mapping[str, WorkerLoad], now: float, tie_key: int
@@ -622,7 +628,7 @@ class KvAwareRouting:
         worker_id, cached = choice.worker_id, choice.prediction.cached_tokens
         seconds = self.config.prefill_s(prompt_tokens - cached, cached)
         ends_at = self.queue.push(worker_id, seconds, now)
-        self.future.routed(worker_id, prompt_tokens)
+        self.routed(worker_id, prompt_tokens)
         withdraw = self.expect_blocks(worker_id, block_hashes, now)
 
         def take_back(at: float) -> None:
@@ -630,6 +636,21 @@ class KvAwareRouting:
             withdraw(at)
 
         return take_back
+
+    def routed(self, worker_id: str, prompt_tokens: int) -> None:
+        """A ``prompt_tokens`` request went to ``worker_id``, its prompt held in the
+        worker's cache while it runs (for the discount of the weight, where applied)."""
+        if self.future is not None:
+            self.future.routed(worker_id, prompt_tokens)
+
+    def observe_events(self, worker_id: str, events: Sequence[KVEvent]) -> None:
+        """A worker's KV events, in order: into the index (and the eviction rate the
+        discount of the weight reads, where applied)."""
+        apply = self.index.apply
+        for event in events:
+            apply(worker_id, event)
+        if self.future is not None:
+            self.future.observe(worker_id, events)
 
     def expect_blocks(self, worker_id: str, block_hashes: Sequence[int], now: float) -> TakeBack:
         """Insert ``block_hashes`` speculatively on ``worker_id`` until events confirm them
@@ -647,5 +668,6 @@ class KvAwareRouting:
     def forget_worker(self, worker_id: str) -> None:
         self.index.remove_worker(worker_id)
         self.queue.forget(worker_id)
-        self.future.forget(worker_id)
+        if self.future is not None:
+            self.future.forget(worker_id)
         self.loads.remove(worker_id)

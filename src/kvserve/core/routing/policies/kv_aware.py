@@ -87,7 +87,7 @@ class KvAwarePolicy(Policy):
             return PairDecision(decode.worker_id, self.name, local, matched, take_back)
         prefill = self.routing.best(prefills, hashes, tokens, blocks.block_size, now)
         # The decode worker holds the whole prompt in its cache while it decodes.
-        self.routing.future.routed(decode.worker_id, tokens)
+        self.routing.routed(decode.worker_id, tokens)
         both = all_of(
             (
                 self.routing.expect_prefill(prefill, hashes, tokens, now),
@@ -104,9 +104,7 @@ class KvAwarePolicy(Policy):
         )
 
     def observe_events(self, worker_id: str, events: Sequence[KVEvent]) -> None:
-        for event in events:
-            self.routing.index.apply(worker_id, event)
-        self.routing.future.observe(worker_id, events)
+        self.routing.observe_events(worker_id, events)
 
     def observe_snapshot(self, worker_id: str, tier: str, block_hashes: Iterable[int]) -> None:
         self.routing.index.replace(worker_id, tier, block_hashes)
