@@ -404,6 +404,7 @@ class KVBlockIndex:
         (:meth:`_run`), in C: a conversation's own prefix, the bulk of a long prompt,
         costs no Python step per block."""
         holders, first = self._holders, self._first_bits
+        apart = first << 1 | first << 2  # every slot's host and storage bits
         speculative = self._speculative_holders.shards
         by_depth: list[tuple[int, int]] = []  # (matched blocks, first bits of its workers)
         alive = -1  # every slot, until the first block narrows it
@@ -414,7 +415,11 @@ class KVBlockIndex:
             mask = holders.get(block_hash, 0)
             if mask < 0:
                 mask = 1 << ~mask
-            reported = (mask | mask >> 1 | mask >> 2) & first
+            if mask & apart:  # a host or storage copy: each slot's tiers to its first bit
+                reported = (mask | mask >> 1 | mask >> 2) & first
+                elsewhere = reported & ~mask  # slots holding it off device only
+            else:  # on device only (most blocks): the mask is its first bits already
+                reported, elsewhere = mask, 0
             here = reported | speculative[block_hash & SHARD_MASK].get(block_hash, 0)
             if alive == -1:
                 alive = here
@@ -427,8 +432,8 @@ class KVBlockIndex:
                     left = alive.bit_count() if recency is None else end  # recency: by block
             if not alive:
                 break
-            if reported != mask:  # a bit above a slot's first: a host or storage copy
-                off_device |= alive & reported & ~mask
+            if elsewhere:
+                off_device |= alive & elsewhere
             if recency is not None and mask:
                 recency.move_to_end(block_hash)
             if left * RUN_BLOCKS <= end - depth:  # the rest worker by worker
