@@ -353,19 +353,13 @@ class KVBlockIndex:
         other holders' matches split by tier, by worker. A worker is then found in its
         layer by a byte lookup: listing a popular prefix's holders bit by bit cost more
         than the rest of a 100-worker decision."""
-        self.expire(now)
-        by_depth, off_device = self._depths(block_hashes)
+        depths, apart = self._split_by_tier(block_hashes, now)
         width = (self._first_bits.bit_length() + 7) // 8
-        layers: list[tuple[int, bytes]] = []
-        apart: dict[str, WorkerMatch] = {}
-        for matched, members in by_depth:
-            walked = members & off_device
-            if walked:
-                for worker_id in self.members(walked):
-                    apart[worker_id] = self._walk(worker_id, block_hashes, matched)
-                members &= ~off_device
-            if members:
-                layers.append((matched, members.to_bytes(width, "little")))
+        layers = [
+            (matched, on_device.to_bytes(width, "little"))
+            for matched, _, on_device in depths
+            if on_device
+        ]
         return layers, apart
 
     def holder_groups(self, block_hashes: Sequence[int], now: float) -> HolderGroups:
@@ -378,23 +372,34 @@ class KVBlockIndex:
         are all on device (or speculative) is done then; the few with a host or storage
         block in their prefix are walked once more alone for the split by tier.
         """
+        depths, apart = self._split_by_tier(block_hashes, now)
+        groups: list[tuple[WorkerMatch, int]] = []
+        every = 0
+        for matched, members, on_device in depths:
+            every |= members
+            if on_device:
+                groups.append(
+                    (WorkerMatch({"device": matched, "host": 0, "storage": 0}), on_device)
+                )
+        return HolderGroups(groups, apart, SlotSet(every, self._slots))
+
+    def _split_by_tier(
+        self, block_hashes: Sequence[int], now: float
+    ) -> tuple[list[tuple[int, int, int]], dict[str, WorkerMatch]]:
+        """The walk after expiring speculation: (matched blocks, first bits of the
+        holders matched that deep, those of them whose match is all on device) per depth,
+        and the others' matches split by tier (each walked once more alone)."""
         self.expire(now)
         by_depth, off_device = self._depths(block_hashes)
-        on_device: list[tuple[WorkerMatch, int]] = []
+        depths: list[tuple[int, int, int]] = []
         apart: dict[str, WorkerMatch] = {}
-        every = 0
         for matched, members in by_depth:
-            every |= members
             walked = members & off_device
             if walked:
                 for worker_id in self.members(walked):
                     apart[worker_id] = self._walk(worker_id, block_hashes, matched)
-                members &= ~off_device
-            if members:
-                on_device.append(
-                    (WorkerMatch({"device": matched, "host": 0, "storage": 0}), members)
-                )
-        return HolderGroups(on_device, apart, SlotSet(every, self._slots))
+            depths.append((matched, members, members & ~off_device))
+        return depths, apart
 
     def _depths(self, block_hashes: Sequence[int]) -> tuple[list[tuple[int, int]], int]:
         """The walk of :meth:`holder_groups`: (matched blocks, first bits of the workers
