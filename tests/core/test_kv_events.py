@@ -78,3 +78,10 @@ def test_token_ids_are_kept_only_when_the_log_records_them() -> None:
         log.append("stored", "device", [1], None, token_ids=[5, 6, 7, 8])
     assert plain.since(0)[0].token_ids == ()
     assert recording.since(0)[0].token_ids == (5, 6, 7, 8)
+
+
+def test_events_since_any_kept_point_are_the_log_in_order():
+    log = EventLog(max_history=7)
+    events = [log.append("stored", "device", [i]) for i in range(20)]
+    for seq in range(13, 21):  # every point whose later events the history still holds
+        assert log.since(seq) == events[seq:]

@@ -99,7 +99,12 @@ class EventLog:
                 f"events {seq + 1}..{oldest - 1} were dropped from the history; resync "
                 "from a snapshot"
             )
-        return list(islice(self._history, seq + 1 - oldest, None))
+        # from the newest end: a reader asks for the few events since its last read, and
+        # an islice from the oldest stepped over the whole history (10,000 events, ~70 µs
+        # a call on the engine thread; 15% of a simulation's run)
+        events = list(islice(reversed(self._history), self.last_seq - seq))
+        events.reverse()
+        return events
 
 
 def apply_events(view: dict[int, int | None], events: Iterable[KVEvent]) -> None:
