@@ -91,7 +91,7 @@ from kvserve.core.cost_model import CostModel
 from kvserve.core.kv_events import KVEvent
 from kvserve.core.routing.future_cost import FutureCost, HolderPressure
 from kvserve.core.routing.kv_index import TIERS, KVBlockIndex, WorkerMatch
-from kvserve.core.routing.load_order import LoadOrder
+from kvserve.core.routing.load_order import LoadOrder, load_term
 from kvserve.core.routing.tie_breaking import ReplicaSalt
 from kvserve.core.routing.types import TakeBack, WorkerLoad
 
@@ -487,16 +487,12 @@ class KvAwareRouting:
             entry = entries.get(worker_id)
             if entry is None or entry.load is not worker:
                 entry = self.loads.update(worker)
-            guarded_s = entry.guarded_s
-            queued_s = ends.get(worker_id, now) - now
-            if queued_s <= 0.0:
-                queued_s = 0.0
             prompt = by_match.get(id(match))
             if prompt is None:
                 prompt = by_match[id(match)] = _prompt_terms(
                     match, prompt_tokens, block_size, self.config
                 )
-            term = (queued_s if queued_s < guarded_s else guarded_s) + entry.fixed_s
+            term = load_term(entry, ends.get(worker_id, now) - now)
             scored.append((worker, term + prompt[0] + prompt[1], prompt[2]))
         return scored
 
@@ -528,8 +524,9 @@ class KvAwareRouting:
             entry = entries.get(worker_id)
             if entry is None or entry.load is not worker:
                 entry = update(worker)
+            # load_term, inlined: a call per worker of a whole fleet costs ~10% here
             queued_s = ends.get(worker_id, now) - now
-            if queued_s <= 0.0:  # min(0.0, guarded_s) + fixed_s, as _score adds it
+            if queued_s <= 0.0:
                 term = entry.fixed_s
             else:
                 guarded_s = entry.guarded_s
@@ -616,7 +613,7 @@ class KvAwareRouting:
         lightest non-holders: a tie of a large group breaks among the candidates).
         """
         if members.bit_count() > GROUP_SCAN:
-            return self.loads.lightest_of_slots(members, len(TIERS), eligible, now, tie_key)
+            return self.loads.lightest_of_slots(members, eligible, now, tie_key)
         group = [w for w in self.index.members(members) if w in eligible]
         return group if len(group) < 3 else self.loads.lightest_among(group, now)
 

@@ -157,9 +157,7 @@ class KVBlockIndex:
         slot = self._slots.pop(worker_id, None)
         pending = self._speculative.pop(worker_id, {})
         if slot is not None:
-            bit = _bit(slot, "device")
-            for block_hash in pending:
-                self._speculative_holders.drop(block_hash, bit)
+            self._speculative_holders.drop_all(pending, _bit(slot, "device"))
             self._slot_workers[slot] = None
             self._free_slots.append(slot)
 
@@ -197,6 +195,7 @@ class KVBlockIndex:
         holders = self._holders
         held = self._held.setdefault((worker_id, tier), {})
         pending = self._speculative.get(worker_id)
+        confirmed: list[int] = []  # speculated here, now reported: the event replaces the guess
         recency = self._recency
         for block_hash in block_hashes:
             mask = _mask(holders.get(block_hash, 0))
@@ -208,8 +207,9 @@ class KVBlockIndex:
                 recency[block_hash] = None
                 recency.move_to_end(block_hash)
             if pending and pending.pop(block_hash, None) is not None:
-                # confirmed: the event replaces the guess
-                self._speculative_holders.drop(block_hash, _bit(self._slots[worker_id], "device"))
+                confirmed.append(block_hash)
+        if confirmed:
+            self._speculative_holders.drop_all(confirmed, _bit(self._slots[worker_id], "device"))
         self._enforce_budget()
 
     def _enforce_budget(self) -> None:
@@ -289,11 +289,12 @@ class KVBlockIndex:
         slot = self._slots.get(worker_id)
         if not pending or slot is None:
             return
-        bit, drop = _bit(slot, "device"), self._speculative_holders.drop
-        for block_hash in block_hashes:
+        taken: list[int] = []
+        for block_hash in block_hashes:  # a prompt may repeat a hash: each taken once
             if pending.get(block_hash) == deadline:
                 del pending[block_hash]
-                drop(block_hash, bit)
+                taken.append(block_hash)
+        self._speculative_holders.drop_all(taken, _bit(slot, "device"))
 
     def expire(self, now: float) -> int:
         """Drop speculative entries whose deadline passed; returns how many."""
@@ -304,19 +305,13 @@ class KVBlockIndex:
             pending = self._speculative.get(worker_id)
             if not pending:
                 continue
-            bit = _bit(self._slots[worker_id], "device")
-            shards = self._speculative_holders.shards
             # the batch's entries no later speculation renewed, found in C: most of a
             # long prompt's are renewed where a burst or a conversation returns to it
-            for block_hash, _ in speculated.items() & pending.items():
+            due = [block_hash for block_hash, _ in speculated.items() & pending.items()]
+            for block_hash in due:
                 del pending[block_hash]
-                shard = shards[block_hash & SHARD_MASK]  # SpeculativeMasks.drop, inlined
-                mask = shard[block_hash]
-                if mask == bit:
-                    del shard[block_hash]
-                else:
-                    shard[block_hash] = mask & ~bit
-                dropped += 1
+            self._speculative_holders.drop_all(due, _bit(self._slots[worker_id], "device"))
+            dropped += len(due)
         return dropped
 
     def num_speculative(self, worker_id: str) -> int:

@@ -113,6 +113,15 @@ class LoadEntry:
     mask_bit: int
 
 
+def load_term(entry: LoadEntry, queued_s: float) -> float:
+    """A worker's load term: ``min(queued_s, guarded_s) + fixed_s``, a queue already
+    drained (``queued_s <= 0``) counting 0: the floats kv_aware's ``_load_term`` gives."""
+    if queued_s <= 0.0:
+        return entry.fixed_s
+    guarded_s = entry.guarded_s
+    return (queued_s if queued_s < guarded_s else guarded_s) + entry.fixed_s
+
+
 class _SlotTerms:
     """The load terms again, as arrays indexed by the index's worker slots: the lightest
     of a group given as a mask is found in a few array operations, however large."""
@@ -324,7 +333,6 @@ class LoadOrder:
     def lightest_of_slots(
         self,
         first_bits: int,
-        bits_per_slot: int,
         eligible: Container[str],
         now: float,
         tie_key: int,
@@ -342,7 +350,7 @@ class LoadOrder:
             for rank, worker_id in enumerate(sorted(self._loads)):
                 self._terms.name_rank[self._loads[worker_id].slot] = rank
             self._name_ranks_stale = False
-        workers = self._slot_workers
+        workers, bits_per_slot = self._slot_workers, self._bits_per_slot
         while True:
             tied = self._terms.lightest(first_bits, bits_per_slot, now)
             if len(tied) == 1:  # most decisions: no tie to break by name
@@ -373,12 +381,7 @@ class LoadOrder:
         lightest = float("inf")
         for worker_id in members:
             entry = loads[worker_id]
-            queued_s = entry.done_at - now
-            if queued_s <= 0.0:
-                term = entry.fixed_s
-            else:
-                guarded_s = entry.guarded_s
-                term = (queued_s if queued_s < guarded_s else guarded_s) + entry.fixed_s
+            term = load_term(entry, entry.done_at - now)
             if term < lightest:
                 lightest = term
             terms.append((term, worker_id))

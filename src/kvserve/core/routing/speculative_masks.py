@@ -47,12 +47,19 @@ class SpeculativeMasks:
 
     def drop(self, block_hash: int, bit: int) -> None:
         """``bit``'s worker no longer speculates ``block_hash`` (it did)."""
-        shard = self.shards[block_hash & SHARD_MASK]
-        mask = shard[block_hash]
-        if mask == bit:
-            del shard[block_hash]
-        else:
-            shard[block_hash] = mask & ~bit
+        self.drop_all((block_hash,), bit)
+
+    def drop_all(self, block_hashes: Iterable[int], bit: int) -> None:
+        """``bit``'s worker no longer speculates any of ``block_hashes`` (it did each):
+        one call for a batch, not one per hash (expiry drops a prompt's worth at once)."""
+        shards = self.shards
+        for block_hash in block_hashes:
+            shard = shards[block_hash & SHARD_MASK]
+            mask = shard[block_hash]
+            if mask == bit:
+                del shard[block_hash]
+            else:
+                shard[block_hash] = mask & ~bit
 
     def __len__(self) -> int:
         return sum(map(len, self.shards))
