@@ -5,6 +5,8 @@ and loads leave a tie."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -15,7 +17,10 @@ from kvserve.core.routing.kv_aware import (
     SMALL_FLEET,
     KvAwareConfig,
     KvAwareRouting,
+    _choose,
+    _choose_whole,
     _ttft,
+    _WholeFleet,
     lowest_ttft,
     predict,
 )
@@ -32,6 +37,8 @@ CONFIG = KvAwareConfig(
     speculative_ttl_s=1.0,
     recompute_weight=3.0,  # a worker outside the candidates still cannot score lower
 )
+# no weight: a whole small fleet's choice is then made from its groups (_choose_whole)
+UNWEIGHTED = dataclasses.replace(CONFIG, recompute_weight=0.0)
 PROMPT = list(range(1, 13))  # a 12-block chain; workers hold prefixes of it, or of others
 
 held = st.tuples(
@@ -52,10 +59,11 @@ worker = st.tuples(
 def build(
     fleet: list[tuple[int, int, list[tuple[int, str, bool]], float | None, int, int]],
     small_fleet: int = 0,
+    config: KvAwareConfig = CONFIG,
 ) -> tuple[KvAwareRouting, list[WorkerLoad]]:
     """A routing over ``fleet``; fleets up to ``small_fleet`` workers predicted whole
     (0: the fast rule at every size, the one these tests check)."""
-    routing = KvAwareRouting(CONFIG)
+    routing = KvAwareRouting(config)
     routing.small_fleet = small_fleet
     loads = []
     for i, (requests, tokens, holdings, queued, speculative, others) in enumerate(fleet):
@@ -74,6 +82,7 @@ def build(
 
 @pytest.mark.parametrize("small_fleet", [0, SMALL_FLEET])  # the fast rule; a whole small fleet
 @pytest.mark.parametrize("run_blocks", [0, kv_index.RUN_BLOCKS])  # 0: each worker walked alone
+@pytest.mark.parametrize("config", [CONFIG, UNWEIGHTED], ids=["weighted", "unweighted"])
 @settings(max_examples=400, deadline=None)
 @given(
     fleet=st.lists(worker, min_size=1, max_size=12),
@@ -84,12 +93,13 @@ def build(
 def test_fast_rule_equals_the_exhaustive_one(
     small_fleet: int,
     run_blocks: int,
+    config: KvAwareConfig,
     fleet: list[tuple[int, int, list[tuple[int, str, bool]], float | None, int, int]],
     prompt_blocks: int,
     now: float,
     eligible_mask: int,
 ) -> None:
-    routing, loads = build(fleet, small_fleet)
+    routing, loads = build(fleet, small_fleet, config)
     workers = [w for i, w in enumerate(loads) if eligible_mask >> i & 1] or loads[:1]
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(kv_index, "RUN_BLOCKS", run_blocks)
@@ -138,7 +148,7 @@ def assert_fast_equals_exhaustive(
         tokens,
         BLOCK,
         hashes[-1] if hashes else tokens,
-        CONFIG,
+        routing.config,
     )
     fast = routing.best(workers, hashes, tokens, BLOCK, now)
 
@@ -156,7 +166,7 @@ def assert_fast_equals_exhaustive(
             tokens,
             BLOCK,
             routing.queue.queued_s(w.worker_id, now),
-            CONFIG,
+            routing.config,
         )
         for w in workers
     ]
@@ -237,8 +247,10 @@ def test_the_lightest_queue_is_found_behind_a_drained_worker_further_in_both_ord
     now=st.floats(0.0, 0.8),
 )
 @pytest.mark.parametrize("small_fleet", [0, SMALL_FLEET])  # searched; predicted whole
+@pytest.mark.parametrize("config", [CONFIG, UNWEIGHTED], ids=["weighted", "unweighted"])
 def test_a_large_group_of_holders_reduces_to_its_lightest(
     small_fleet: int,
+    config: KvAwareConfig,
     fleet: list[tuple[int, int, int, float | None, int]],
     prompt_blocks: int,
     now: float,
@@ -252,6 +264,7 @@ def test_a_large_group_of_holders_reduces_to_its_lightest(
             for requests, tokens, depth, queued, others in fleet
         ],
         small_fleet,
+        config,
     )
     assert_fast_equals_exhaustive(routing, loads, PROMPT[:prompt_blocks], now)
 
@@ -412,3 +425,43 @@ def test_predictions_from_the_kept_load_terms_equal_the_reference_bit_for_bit(
             queued = routing.queue.queued_s(w.worker_id, now)
             assert (ttft, cached) == _ttft(w, matches[w.worker_id], tokens, BLOCK, queued, CONFIG)
             assert routing.loads.entries[w.worker_id].load is w
+
+
+near_floats = st.sampled_from([0.0, 1e-9, 1.5e-9, 2e-9, 2.5e-9, 0.05, 0.05 + 1e-9, 0.3])
+group = st.tuples(
+    st.sampled_from([0.0, 1e-9, 0.05, 0.1]),  # the group's prefill seconds
+    st.sampled_from([0, 16, 32]),  # its cached tokens
+    st.lists(st.tuples(near_floats, st.integers(0, 2), st.integers(0, 1)), max_size=6),
+)
+
+
+@settings(max_examples=500, deadline=None)
+@given(
+    groups=st.lists(group, min_size=1, max_size=4),
+    apart=st.lists(st.tuples(near_floats, st.sampled_from([16, 48]), st.integers(0, 1))),
+    tie_key=st.integers(0, 2**64),
+)
+def test_a_whole_fleets_choice_from_its_groups_equals_the_choice_from_every_score(
+    groups: list[tuple[float, int, list[tuple[float, int, int]]]],
+    apart: list[tuple[float, int, int]],
+    tie_key: int,
+) -> None:
+    """Load terms and TTFTs within nanoseconds of each other, across groups and apart:
+    the groups' shortcut (the smallest per group, a loose count in C) picks exactly what
+    ranking every worker's score picks, ties and their rendezvous included."""
+    names = iter(range(10**6))
+
+    def load(requests: int, tokens: int) -> WorkerLoad:
+        return WorkerLoad(f"w{next(names)}", requests, tokens)
+
+    fleet = _WholeFleet(
+        [
+            (prefill_s, cached, [t for t, _, _ in members], [load(r, k) for _, r, k in members])
+            for prefill_s, cached, members in groups
+        ],
+        [(load(1, k), ttft, cached) for ttft, cached, k in apart],
+    )
+    scored = fleet.scored()
+    if not scored:
+        return
+    assert _choose_whole(fleet, tie_key) == _choose(scored, tie_key, 64, UNWEIGHTED)

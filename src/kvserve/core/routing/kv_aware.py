@@ -93,7 +93,7 @@ from kvserve.core.routing.future_cost import FutureCost, HolderPressure
 from kvserve.core.routing.kv_index import TIERS, KVBlockIndex, WorkerMatch
 from kvserve.core.routing.load_order import LoadOrder, load_term
 from kvserve.core.routing.tie_breaking import ReplicaSalt
-from kvserve.core.routing.types import TakeBack, WorkerLoad
+from kvserve.core.routing.types import TakeBack, WorkerLoad, sort_key_of
 
 _NO_MATCH = WorkerMatch({})
 # With a replica's salt: walks of the load orders for candidates (each adds up to three)
@@ -222,11 +222,6 @@ class PrefillQueue:
         self._done_at: dict[str, float] = {}
         self._loads = loads
 
-    @property
-    def ends(self) -> Mapping[str, float]:
-        """Each worker's predicted end of its queued prefills (not yet drained ones too)."""
-        return self._done_at
-
     def queued_s(self, worker_id: str, now: float) -> float:
         return max(0.0, self._done_at.get(worker_id, now) - now)
 
@@ -302,8 +297,14 @@ def _load_term(worker: WorkerLoad, queued_s: float, config: KvAwareConfig) -> fl
     )
 
 
-def _rendezvous(tie_key: int, worker_id: str) -> int:
-    return xxhash.xxh3_64_intdigest(f"{tie_key}/{worker_id}".encode())
+def _rendezvous_winner(
+    tied: Sequence[tuple[WorkerLoad, float, int]], tie_key: int
+) -> tuple[WorkerLoad, float, int]:
+    """The tied worker whose hash of ``tie_key/worker_id`` is the largest (the key's
+    decimal text made once: converting a 64-bit key per tied worker was most of it)."""
+    prefix = f"{tie_key}/"
+    digest = xxhash.xxh3_64_intdigest
+    return max(tied, key=lambda t: digest((prefix + t[0].worker_id).encode()))
 
 
 def lowest_ttft(
@@ -351,27 +352,43 @@ def _choose(
     weight = config.recompute_weight if weight is None else weight
     if weight or salt is not None:
         ranks = _ranks(scored, deepest, prompt_tokens, config, weight, salt)
-    else:  # the score is the TTFT: only those within 2 ns of the smallest can round to it
-        ttfts = list(map(itemgetter(1), scored))
-        lowest_s = min(ttfts)
-        near_s = lowest_s + 2e-9
-        # one near the smallest (most decisions): it is the choice, nothing to rank
-        # (counted and found in C: a comprehension over a whole fleet cost more)
-        if sum(map(near_s.__ge__, ttfts)) == 1:
-            scored, ranks = [scored[ttfts.index(lowest_s)]], []
-        else:
-            scored = [s for s in scored if s[1] <= near_s]
-            ranks = [(round(ttft, 9), w.sort_key) for w, ttft, _ in scored]
-    tied: Sequence[tuple[WorkerLoad, float, int]]
-    if ranks:
         lowest = min(ranks)
         tied = [s for s, rank in zip(scored, ranks, strict=True) if rank == lowest]
-    else:
-        tied = scored
-    chosen = tied[0]
-    if len(tied) > 1:
-        chosen = max(tied, key=lambda t: _rendezvous(tie_key, t[0].worker_id))
-    worker, ttft, cached = chosen
+        return _chosen(tied, deepest, tie_key)
+    # the score is the TTFT: only those within 2 ns of the smallest can round to it
+    ttfts = list(map(itemgetter(1), scored))
+    lowest_s = min(ttfts)
+    near_s = lowest_s + 2e-9
+    # one near the smallest (most decisions): it is the choice, nothing to rank
+    # (counted and found in C: a comprehension over a whole fleet cost more)
+    if sum(map(near_s.__ge__, ttfts)) == 1:
+        return _chosen([scored[ttfts.index(lowest_s)]], deepest, tie_key)
+    return _chosen(_lightest([s for s in scored if s[1] <= near_s]), deepest, tie_key)
+
+
+def _lightest(
+    near: Sequence[tuple[WorkerLoad, float, int]],
+) -> list[tuple[WorkerLoad, float, int]]:
+    """Of (worker, TTFT, cached tokens) near the smallest TTFT: those tied in (TTFT
+    rounded to the nanosecond, the guards' sort key). Where they share one TTFT (idle
+    workers holding the same, say), by the sort key alone: a rounding and a property
+    call per worker made a tie among 30 idle workers cost as much as the decision."""
+    keys = list(map(sort_key_of, map(itemgetter(0), near)))
+    ttfts = list(map(itemgetter(1), near))
+    if min(ttfts) == max(ttfts):
+        lowest_key = min(keys)
+        return [s for s, key in zip(near, keys, strict=True) if key == lowest_key]
+    ranks = [(round(ttft, 9), key) for ttft, key in zip(ttfts, keys, strict=True)]
+    lowest = min(ranks)
+    return [s for s, rank in zip(near, ranks, strict=True) if rank == lowest]
+
+
+def _chosen(
+    tied: Sequence[tuple[WorkerLoad, float, int]], deepest: int, tie_key: int
+) -> KvAwareChoice:
+    """The choice among ``tied`` (by rendezvous hashing, computed only for a real tie),
+    and why, given the ``deepest`` match of any worker scored."""
+    worker, ttft, cached = tied[0] if len(tied) == 1 else _rendezvous_winner(tied, tie_key)
     if deepest == 0:
         reason = "cache_miss"
     elif cached == deepest:
@@ -379,6 +396,85 @@ def _choose(
     else:
         reason = "load_spread"
     return KvAwareChoice(Prediction(worker, cached, ttft), reason)
+
+
+class _WholeFleet(NamedTuple):
+    """A small fleet's scores as :meth:`KvAwareRouting._whole_fleet` groups them. The
+    workers matched on device to one depth share the prompt's terms: their TTFTs are
+    their load terms plus one prefill time, and the smallest of a group is its smallest
+    load term plus that (the same float: rounding an addition is monotone)."""
+
+    # (prefill seconds, cached tokens, load terms, workers) per depth matched and for
+    # no match; a group may be empty
+    groups: list[tuple[float, int, list[float], list[WorkerLoad]]]
+    apart: list[tuple[WorkerLoad, float, int]]  # holders with a host or storage block
+
+    def scored(self) -> list[tuple[WorkerLoad, float, int]]:
+        """Every worker's (worker, TTFT, cached tokens), as :func:`_choose` reads them."""
+        scored = list(self.apart)
+        for prefill_s, cached, terms, workers in self.groups:
+            pairs = zip(terms, workers, strict=True)
+            scored += [(w, term + prefill_s, cached) for term, w in pairs]
+        return scored
+
+
+# A TTFT within 2 ns of the smallest is counted in C against its load term: the bound
+# on the term is loosened by this much, far above the rounding of subtracting the
+# prefill time, so that no term that counts is missed (a loose count of one is exact)
+_TERM_SLACK_S = 1e-9
+
+
+def _choose_whole(fleet: _WholeFleet, tie_key: int) -> KvAwareChoice:
+    """:func:`_choose` without a weight or a salt, from a whole fleet's groups: the
+    same choice, with the smallest TTFT found per group in C and only the groups near
+    it looked at worker by worker, where a tie needs it (a pass per worker for the
+    scored triples, then four more over them in ``_choose``, cost a 100-worker fleet a
+    third of its decision). Loops over the few groups, not comprehensions: each of
+    those is a call, which a 10-worker fleet's decision felt."""
+    groups, apart = fleet
+    lowest_s = none = float("inf")
+    deepest = 0
+    minima = []
+    for prefill_s, cached, terms, _ in groups:
+        if terms:
+            least = min(terms) + prefill_s
+            if cached > deepest:
+                deepest = cached
+            if least < lowest_s:
+                lowest_s = least
+        else:
+            least = none
+        minima.append(least)
+    for _, ttft, cached in apart:
+        if cached > deepest:
+            deepest = cached
+        if ttft < lowest_s:
+            lowest_s = ttft
+    near_s = lowest_s + 2e-9
+    near: list[tuple[WorkerLoad, float, int]] = []
+    if apart:
+        near += [s for s in apart if s[1] <= near_s]
+    lone = None
+    for group, least in zip(groups, minima, strict=True):
+        if least > near_s:
+            continue
+        prefill_s, cached, terms, workers = group
+        bound = near_s - prefill_s + _TERM_SLACK_S
+        if lone is None and not near and sum(map(bound.__ge__, terms)) == 1:
+            term = min(terms)
+            lone = (workers[terms.index(term)], term + prefill_s, cached)
+            continue
+        if lone is not None:
+            near.append(lone)
+            lone = None
+        near += [
+            (w, term + prefill_s, cached)
+            for term, w in zip(terms, workers, strict=True)
+            if term + prefill_s <= near_s
+        ]
+    if lone is not None:
+        return _chosen([lone], deepest, tie_key)
+    return _chosen(_lightest(near), deepest, tie_key)
 
 
 def _ranks(
@@ -461,7 +557,10 @@ class KvAwareRouting:
         """
         tie_key = block_hashes[-1] if block_hashes else prompt_tokens
         if len(workers) <= self.small_fleet:
-            scored = self._score_whole(workers, block_hashes, prompt_tokens, block_size, now)
+            fleet = self._whole_fleet(workers, block_hashes, prompt_tokens, block_size, now)
+            if not self.config.recompute_weight and self.salt is None:
+                return _choose_whole(fleet, tie_key)
+            scored = fleet.scored()
         else:
             candidates = self._candidates(workers, block_hashes, now, tie_key)
             scored = self._score(candidates, prompt_tokens, block_size, now)
@@ -479,7 +578,7 @@ class KvAwareRouting:
         :func:`_ttft`'s: the load terms :class:`LoadOrder` keeps per worker (computed
         again only from a load object it was not given), the prompt's terms computed
         once per match (workers sharing a match share its object)."""
-        entries, ends = self.loads.entries, self.queue.ends
+        entries = self.loads.entries
         by_match: dict[int, tuple[float, float, int]] = {}
         scored: list[tuple[WorkerLoad, float, int]] = []
         for worker, match in candidates:
@@ -492,61 +591,70 @@ class KvAwareRouting:
                 prompt = by_match[id(match)] = _prompt_terms(
                     match, prompt_tokens, block_size, self.config
                 )
-            term = load_term(entry, ends.get(worker_id, now) - now)
+            term = load_term(entry, entry.done_at - now)
             scored.append((worker, term + prompt[0] + prompt[1], prompt[2]))
         return scored
 
-    def _score_whole(
+    def _whole_fleet(
         self,
         workers: Sequence[WorkerLoad],
         block_hashes: Sequence[int],
         prompt_tokens: int,
         block_size: int,
         now: float,
-    ) -> list[tuple[WorkerLoad, float, int]]:
-        """:meth:`_score` of every worker of a small fleet, from the index's layers of
-        holders by depth rather than a match object per holder (the prompt's terms
-        computed once per depth; a worker not seen before learnt here): the same floats.
-        """
-        layers, apart = self.index.holder_layers(block_hashes, now)
-        entries, ends, update = self.loads.entries, self.queue.ends, self.loads.update
+    ) -> _WholeFleet:
+        """Every worker of a small fleet scored, the same floats as :meth:`_score`'s,
+        grouped by the index's layers of holders by depth: the prompt's terms computed
+        once per depth, a worker found in its layer by a byte lookup, its load term
+        appended to its layer's (a worker not seen before learnt here)."""
+        layers, apart_matches = self.index.holder_layers(block_hashes, now)
+        entries, update = self.loads.entries, self.loads.update
         config = self.config
-        # the prompt's terms (prefill seconds, cached tokens) per layer, and for no match
-        missed = (config.prefill_s(prompt_tokens, 0), 0)
-        terms = []
+        by_layer: list[tuple[bytes, list[float], list[WorkerLoad]]] = []
+        groups: list[tuple[float, int, list[float], list[WorkerLoad]]] = []
         for matched, members in layers:
             cached = min(matched * block_size, prompt_tokens)
-            terms.append((members, (config.prefill_s(prompt_tokens - cached, cached), cached)))
+            terms: list[float] = []
+            held_by: list[WorkerLoad] = []
+            by_layer.append((members, terms, held_by))
+            groups.append(
+                (config.prefill_s(prompt_tokens - cached, cached), cached, terms, held_by)
+            )
         width = len(layers[0][1]) if layers else 0
-        scored: list[tuple[WorkerLoad, float, int]] = []
+        missed_terms: list[float] = []
+        missed: list[WorkerLoad] = []
+        apart: list[tuple[WorkerLoad, float, int]] = []
         for worker in workers:
-            worker_id = worker.worker_id
-            entry = entries.get(worker_id)
+            entry = entries.get(worker.worker_id)
             if entry is None or entry.load is not worker:
                 entry = update(worker)
             # load_term, inlined: a call per worker of a whole fleet costs ~10% here
-            queued_s = ends.get(worker_id, now) - now
+            queued_s = entry.done_at - now
             if queued_s <= 0.0:
                 term = entry.fixed_s
             else:
                 guarded_s = entry.guarded_s
                 term = (queued_s if queued_s < guarded_s else guarded_s) + entry.fixed_s
-            match = apart.get(worker_id) if apart else None
-            if match is None:
-                byte, prompt = entry.mask_byte, missed
-                if byte < width:  # else a worker learnt since the walk: it holds nothing
-                    bit = entry.mask_bit
-                    for members, layer in terms:
-                        if members[byte] & bit:
-                            prompt = layer
-                            break
-                scored.append((worker, term + prompt[0], prompt[1]))
+            if apart_matches:
+                match = apart_matches.get(worker.worker_id)
+                if match is not None:
+                    prefill_s, loading_s, cached = _prompt_terms(
+                        match, prompt_tokens, block_size, config
+                    )
+                    apart.append((worker, term + prefill_s + loading_s, cached))
+                    continue
+            byte = entry.mask_byte
+            # past the layers' bytes: a worker learnt since the walk, which holds nothing
+            for members, terms, held_by in by_layer if byte < width else ():
+                if members[byte] & entry.mask_bit:
+                    terms.append(term)
+                    held_by.append(worker)
+                    break
             else:
-                prefill_s, loading_s, cached = _prompt_terms(
-                    match, prompt_tokens, block_size, config
-                )
-                scored.append((worker, term + prefill_s + loading_s, cached))
-        return scored
+                missed_terms.append(term)
+                missed.append(worker)
+        groups.append((config.prefill_s(prompt_tokens, 0), 0, missed_terms, missed))
+        return _WholeFleet(groups, apart)
 
     def _candidates(
         self, workers: Sequence[WorkerLoad], block_hashes: Sequence[int], now: float, tie_key: int

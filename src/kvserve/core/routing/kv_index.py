@@ -15,10 +15,11 @@ confirms them, so a request that failed or went elsewhere leaves nothing behind.
 from __future__ import annotations
 
 import heapq
+import math
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from itertools import filterfalse, islice, takewhile
+from itertools import compress, filterfalse, islice, repeat, takewhile
 
 from kvserve.core.kv_events import KVEvent
 from kvserve.core.routing.speculative_masks import SHARD_MASK, SpeculativeMasks
@@ -305,9 +306,13 @@ class KVBlockIndex:
             pending = self._speculative.get(worker_id)
             if not pending:
                 continue
-            # the batch's entries no later speculation renewed, found in C: most of a
-            # long prompt's are renewed where a burst or a conversation returns to it
-            due = [block_hash for block_hash, _ in speculated.items() & pending.items()]
+            # the batch's entries no later speculation renewed (their deadline is still
+            # the batch's), found in C: most of a long prompt's are renewed where a
+            # burst or a conversation returns to it
+            # (gone from pending, confirmed or withdrawn: NaN, equal to nothing)
+            deadline = next(iter(speculated.values()))
+            deadlines = map(pending.get, speculated, repeat(math.nan))
+            due = list(compress(speculated, map(deadline.__eq__, deadlines)))
             for block_hash in due:
                 del pending[block_hash]
             self._speculative_holders.drop_all(due, _bit(self._slots[worker_id], "device"))

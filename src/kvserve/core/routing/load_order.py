@@ -224,6 +224,9 @@ class LoadOrder:
         self._slot_of = slot_of
         self._bits_per_slot = bits_per_slot
         self._loads: dict[str, LoadEntry] = {}
+        # queue ends set before the worker's first load (a peer replica's choice, say):
+        # its entry starts from it, so that the entry is the one place a queue end is read
+        self._unseen_done: dict[str, float] = {}
         self._terms = _SlotTerms()
         self._slot_workers: dict[int, str] = {}
         self._name_ranks_stale = False  # a worker came or went since they were drawn
@@ -265,6 +268,9 @@ class LoadOrder:
             )
             self._slot_workers[slot] = worker_id
             self._name_ranks_stale = True
+            done_at = self._unseen_done.pop(worker_id, None)
+            if done_at is not None:
+                self.set_done(worker_id, done_at)
         else:
             entry.load = load
             if (
@@ -285,14 +291,17 @@ class LoadOrder:
     def set_done(self, worker_id: str, done_at: float) -> None:
         """This policy's predicted end of the prefills it queued on ``worker_id``."""
         entry = self._loads.get(worker_id)
-        if entry is not None:
-            entry.done_at = done_at
-            stale = self._stale
-            stale[worker_id] = stale.get(worker_id, 0) | _DONE
+        if entry is None:
+            self._unseen_done[worker_id] = done_at
+            return
+        entry.done_at = done_at
+        stale = self._stale
+        stale[worker_id] = stale.get(worker_id, 0) | _DONE
 
     def remove(self, worker_id: str) -> None:
         entry = self._loads.pop(worker_id, None)
         self._stale.pop(worker_id, None)
+        self._unseen_done.pop(worker_id, None)
         if entry is not None:
             self._terms.clear(entry.slot)
             self._slot_workers.pop(entry.slot, None)
