@@ -301,7 +301,7 @@ class KVBlockIndex:
         """Drop speculative entries whose deadline passed; returns how many."""
         dropped = 0
         while self._deadlines and self._deadlines[0][0] <= now:
-            _, worker_id, batch = heapq.heappop(self._deadlines)
+            deadline, worker_id, batch = heapq.heappop(self._deadlines)
             speculated = self._batches.pop(batch)  # hash -> the batch's deadline
             pending = self._speculative.get(worker_id)
             if not pending:
@@ -310,7 +310,6 @@ class KVBlockIndex:
             # the batch's), found in C: most of a long prompt's are renewed where a
             # burst or a conversation returns to it
             # (gone from pending, confirmed or withdrawn: NaN, equal to nothing)
-            deadline = next(iter(speculated.values()))
             deadlines = map(pending.get, speculated, repeat(math.nan))
             due = list(compress(speculated, map(deadline.__eq__, deadlines)))
             for block_hash in due:

@@ -52,14 +52,14 @@ class SpeculativeMasks:
     def drop_all(self, block_hashes: Iterable[int], bit: int) -> None:
         """``bit``'s worker no longer speculates any of ``block_hashes`` (it did each):
         one call for a batch, not one per hash (expiry drops a prompt's worth at once)."""
-        shards = self.shards
+        shards, others = self.shards, ~bit
         for block_hash in block_hashes:
             shard = shards[block_hash & SHARD_MASK]
             mask = shard[block_hash]
             if mask == bit:
                 del shard[block_hash]
             else:
-                shard[block_hash] = mask & ~bit
+                shard[block_hash] = mask & others
 
     def __len__(self) -> int:
         return sum(map(len, self.shards))
