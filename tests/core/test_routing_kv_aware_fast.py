@@ -465,3 +465,16 @@ def test_a_whole_fleets_choice_from_its_groups_equals_the_choice_from_every_scor
     if not scored:
         return
     assert _choose_whole(fleet, tie_key) == _choose(scored, tie_key, 64, UNWEIGHTED)
+
+
+@pytest.mark.parametrize("small_fleet", [0, SMALL_FLEET])  # searched; predicted whole
+def test_a_queue_end_recorded_before_a_workers_first_load_is_predicted(small_fleet: int) -> None:
+    """A peer replica's choice can queue prefill on a worker this replica has not seen
+    loads for yet: the worker's load entry, made later, starts from that queue end."""
+    routing = KvAwareRouting(UNWEIGHTED)
+    routing.small_fleet = small_fleet
+    routing.queue.push("a", 0.4, now=0.0)  # before any load of "a"
+    loads = [WorkerLoad("a", 1, 9000), WorkerLoad("b", 1, 9000)]
+    assert routing.best(loads, [], 10, BLOCK, now=0.1).worker_id == "b"
+    assert routing.loads.entries["a"].done_at == pytest.approx(0.4)
+    assert_fast_equals_exhaustive(routing, loads, [], now=0.1)
