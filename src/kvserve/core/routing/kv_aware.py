@@ -428,9 +428,9 @@ def _choose_whole(fleet: _WholeFleet, tie_key: int) -> KvAwareChoice:
     """:func:`_choose` without a weight or a salt, from a whole fleet's groups: the
     same choice, with the smallest TTFT found per group in C and only the groups near
     it looked at worker by worker, where a tie needs it (a pass per worker for the
-    scored triples, then four more over them in ``_choose``, cost a 100-worker fleet a
-    third of its decision). Loops over the few groups, not comprehensions: each of
-    those is a call, which a 10-worker fleet's decision felt."""
+    scored triples, then four more over them in ``_choose``, were about a sixth of a
+    100-worker decision's instructions). Loops over the few groups, not comprehensions:
+    each of those is a call, which a 10-worker fleet's decision felt."""
     groups, apart = fleet
     lowest_s = none = float("inf")
     deepest = 0
