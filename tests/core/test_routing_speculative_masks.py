@@ -78,8 +78,8 @@ def test_a_hash_speculated_by_one_worker_shares_its_bit_and_a_second_widens_it()
     assert masks.get(7) is first  # no copy of a 1,000-worker fleet's wide bit
     masks.add([7], second)
     assert masks.get(7) == first | second and masks.get(7 + SHARDS) is first
-    masks.drop(7, first)
+    masks.drop_all([7], first)
     assert masks.get(7) == second
-    masks.drop(7, second)
-    masks.drop(7 + SHARDS, first)
+    masks.drop_all([7], second)
+    masks.drop_all([7 + SHARDS], first)
     assert masks.get(7) == 0 and len(masks) == 0

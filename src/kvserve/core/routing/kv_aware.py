@@ -215,33 +215,30 @@ class PrefillQueue:
     """When each worker will be done with the prefills this policy sent it (predicted).
 
     A routed request's uncached tokens queue behind the work already there; the queue
-    drains with time. One float per worker; ``loads`` learns each new end.
+    drains with time. The queue ends live in ``loads`` (each worker's load entry, where
+    predictions read them): this is the arithmetic of adding and taking back.
     """
 
     def __init__(self, loads: LoadOrder) -> None:
-        self._done_at: dict[str, float] = {}
         self._loads = loads
 
     def queued_s(self, worker_id: str, now: float) -> float:
-        return max(0.0, self._done_at.get(worker_id, now) - now)
+        done_at = self._loads.done_at(worker_id)
+        return 0.0 if done_at is None else max(0.0, done_at - now)
 
     def push(self, worker_id: str, seconds: float, now: float) -> float:
         """Queue ``seconds`` of prefill; returns when they are predicted to end."""
-        done_at = self._done_at[worker_id] = now + self.queued_s(worker_id, now) + seconds
+        done_at = now + self.queued_s(worker_id, now) + seconds
         self._loads.set_done(worker_id, done_at)
         return done_at
 
     def take_back(self, worker_id: str, seconds: float, ends_at: float, now: float) -> None:
         """A pushed prefill (``seconds`` ending at ``ends_at``) will not run after all:
         the queue ends sooner by the part of it not yet predicted done."""
-        done_at = self._done_at.get(worker_id)
+        done_at = self._loads.done_at(worker_id)
         if done_at is not None:
             left = min(seconds, max(0.0, ends_at - now))
-            done_at = self._done_at[worker_id] = max(now, done_at - left)
-            self._loads.set_done(worker_id, done_at)
-
-    def forget(self, worker_id: str) -> None:
-        self._done_at.pop(worker_id, None)
+            self._loads.set_done(worker_id, max(now, done_at - left))
 
 
 def predict(
@@ -774,7 +771,6 @@ class KvAwareRouting:
 
     def forget_worker(self, worker_id: str) -> None:
         self.index.remove_worker(worker_id)
-        self.queue.forget(worker_id)
         if self.future is not None:
             self.future.forget(worker_id)
         self.loads.remove(worker_id)

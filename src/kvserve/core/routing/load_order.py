@@ -54,6 +54,7 @@ SlotOf = Callable[[str], int]  # worker -> its slot in the KV index's masks
 
 Key = tuple[float, int, int]  # a load term, then the guards' sort key (ties as predicted)
 _GUARDS, _DONE = 1, 2  # what changed on a worker since the orders were brought up to date
+_NEVER = float("-inf")  # the queue end of a worker this policy queued nothing on
 
 
 class _Order:
@@ -264,7 +265,7 @@ class LoadOrder:
             position = slot * self._bits_per_slot
             byte, bit = position >> 3, 1 << (position & 7)
             entry = self._loads[worker_id] = LoadEntry(
-                load, fixed_s, guarded_s, float("-inf"), sort_key, slot, byte, bit
+                load, fixed_s, guarded_s, _NEVER, sort_key, slot, byte, bit
             )
             self._slot_workers[slot] = worker_id
             self._name_ranks_stale = True
@@ -287,6 +288,14 @@ class LoadOrder:
             stale = self._stale
             stale[worker_id] = stale.get(worker_id, 0) | _GUARDS
         return entry
+
+    def done_at(self, worker_id: str) -> float | None:
+        """This policy's predicted end of the prefills it queued on ``worker_id`` (None:
+        it queued none there)."""
+        entry = self._loads.get(worker_id)
+        if entry is None:
+            return self._unseen_done.get(worker_id)
+        return None if entry.done_at == _NEVER else entry.done_at
 
     def set_done(self, worker_id: str, done_at: float) -> None:
         """This policy's predicted end of the prefills it queued on ``worker_id``."""

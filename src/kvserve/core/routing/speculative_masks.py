@@ -45,10 +45,6 @@ class SpeculativeMasks:
             mask = shard.get(block_hash)
             shard[block_hash] = bit if mask is None else mask | bit
 
-    def drop(self, block_hash: int, bit: int) -> None:
-        """``bit``'s worker no longer speculates ``block_hash`` (it did)."""
-        self.drop_all((block_hash,), bit)
-
     def drop_all(self, block_hashes: Iterable[int], bit: int) -> None:
         """``bit``'s worker no longer speculates any of ``block_hashes`` (it did each):
         one call for a batch, not one per hash (expiry drops a prompt's worth at once)."""
