@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
+import tempfile
 import time
 from pathlib import Path
 
@@ -58,9 +60,13 @@ class VllmServer:
         self.port, self.events_port, self.replay_port = free_port(), free_port(), free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.kv_cache_gib = kv_cache_gib
+        # vLLM names its ZMQ IPC sockets ipc://<dir>/<uuid4> and leaves them behind (thousands
+        # a day in /tmp over test runs): each server gets a directory removed when it stops.
+        self.rpc_dir = Path(tempfile.gettempdir()) / f"kvserve-vllm-rpc-{self.port}"
         self.process = self._spawn()
 
     def _spawn(self) -> ServerProcess:
+        self.rpc_dir.mkdir(exist_ok=True)
         events = {
             "enable_kv_cache_events": True,
             "publisher": "zmq",
@@ -87,6 +93,7 @@ class VllmServer:
             "PYTHONPATH": "",  # kvserve's source stays out of vLLM's venv
             "VLLM_SERVER_DEV_MODE": "1" if self.dev_mode else "0",
             "VLLM_ENABLE_V1_MULTIPROCESSING": "0" if self.single_process else "1",
+            "VLLM_RPC_BASE_PATH": str(self.rpc_dir),
         }
         self._shared_memory_before = multiprocessing_shared_memory()
         return ServerProcess(args, self.url, name="vllm", env=env)
@@ -104,6 +111,7 @@ class VllmServer:
         """Die like a crashed server, then remove the shared memory it can no longer remove."""
         self.process.kill()
         unlink_orphans(self._shared_memory_before, self.process.process.pid)
+        shutil.rmtree(self.rpc_dir, ignore_errors=True)
 
     def restart(self) -> VllmServer:
         """A new process on the same ports (not waited for)."""
@@ -114,6 +122,7 @@ class VllmServer:
     def stop(self) -> None:
         self.process.stop(30)
         unlink_orphans(self._shared_memory_before, self.process.process.pid)
+        shutil.rmtree(self.rpc_dir, ignore_errors=True)
 
     def kv_events(self, *, replay: bool = True) -> str:
         """This server's event source as the router's ``--kv-events`` takes it."""

@@ -181,7 +181,6 @@ def register(app: typer.Typer) -> None:
                 )
                 raise typer.Exit(1)
         model_dir = model.resolve() if model else tiny_model_dir()
-        log_dir = Path(tempfile.mkdtemp(prefix="kvserve-up-"))
         if prefill and not decode:
             raise typer.BadParameter(
                 "prefill workers need --decode workers", param_hint="--prefill"
@@ -190,6 +189,7 @@ def register(app: typer.Typer) -> None:
             raise typer.BadParameter("use tcp or mooncake", param_hint="--kv-transfer")
         if kv_transfer_same_host not in ("shm", "socket"):
             raise typer.BadParameter("use shm or socket", param_hint="--kv-transfer-same-host")
+        log_dir = Path(tempfile.mkdtemp(prefix="kvserve-up-"))
         fleet = LocalFleet(
             model_dir,
             workers=workers,
