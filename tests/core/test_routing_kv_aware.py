@@ -65,6 +65,45 @@ def test_recompute_weight_keeps_a_busy_holder_until_its_queue_outweighs_the_reco
     assert choice.reason == ("cache_hit" if chosen == "w0" else "load_spread")
 
 
+def busy_holder_of(blocks: int, queued_ms: float, config: KvAwareConfig) -> str:
+    """The choice between w0, holding the prompt's first ``blocks`` with ``queued_ms`` of
+    prefill queued, and an idle w1 holding nothing."""
+    routing = KvAwareRouting(config)
+    routing.index.apply("w0", KVEvent(1, "stored", "device", tuple(HASHES[:blocks]), None))
+    routing.queue.push("w0", queued_ms / 1000, now=0.0)
+    loads = [WorkerLoad("w0", 1, round(queued_ms)), WorkerLoad("w1")]
+    return routing.select(loads, HASHES, PROMPT, BLOCK, now=0.0).worker_id
+
+
+def test_home_weight_starts_a_new_prefix_on_an_idle_worker_not_a_busy_holder_of_its_start() -> None:
+    """w0 holds the first block (a shared system prompt) and has 10 ms queued: it is 6 ms
+    faster for this request (159 against 165 ms), but the 149 tokens computed there make
+    it their home, and the next requests extending them meet its wait: with home weight 3
+    the wait counts 1 + 3 × 149/165 times (186 ms), so the idle worker gets them. The
+    holder of the whole prefix (computing 5 tokens) counts it about once and keeps them."""
+    assert busy_holder_of(1, 10, CONFIG) == "w0"
+    home = dataclasses.replace(CONFIG, home_weight=3.0)
+    assert busy_holder_of(1, 10, home) == "w1"
+    assert busy_holder_of(10, 10, home) == "w0"
+
+
+def test_with_a_home_weight_the_recompute_weight_scales_with_the_holders_share() -> None:
+    """Recompute weight 2, home weight 1. A holder of the first block only (16 of 165
+    tokens) with 15 ms queued scores 177.5 ms; w1 computes 16 tokens more, charged
+    2 × 16/165 × 16 ms = 3.1 ms (168.1): w1. Unscaled (32 ms) the holder would keep it. A
+    holder of all ten blocks with 300 ms queued scores 309 ms against w1's 475: it keeps
+    the request that the TTFT alone would move (165 < 305 ms)."""
+    weighted = dataclasses.replace(CONFIG, recompute_weight=2.0, home_weight=1.0)
+    assert busy_holder_of(1, 15, weighted) == "w1"
+    assert busy_holder_of(10, 300, weighted) == "w0"
+    assert busy_holder_of(10, 300, CONFIG) == "w1"
+
+
+def test_home_weight_must_not_be_negative() -> None:
+    with pytest.raises(ValueError, match="home_weight"):
+        KvAwareConfig(home_weight=-1.0)
+
+
 def test_recompute_weight_must_not_be_negative() -> None:
     with pytest.raises(ValueError, match="recompute_weight"):
         KvAwareConfig(recompute_weight=-1.0)

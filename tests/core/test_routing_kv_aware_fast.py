@@ -39,6 +39,10 @@ CONFIG = KvAwareConfig(
 )
 # no weight: a whole small fleet's choice is then made from its groups (_choose_whole)
 UNWEIGHTED = dataclasses.replace(CONFIG, recompute_weight=0.0)
+HOME = dataclasses.replace(CONFIG, home_weight=3.0)  # the home term, the weight scaled
+CONFIGS = pytest.mark.parametrize(
+    "config", [CONFIG, UNWEIGHTED, HOME], ids=["weighted", "unweighted", "home"]
+)
 PROMPT = list(range(1, 13))  # a 12-block chain; workers hold prefixes of it, or of others
 
 held = st.tuples(
@@ -82,7 +86,7 @@ def build(
 
 @pytest.mark.parametrize("small_fleet", [0, SMALL_FLEET])  # the fast rule; a whole small fleet
 @pytest.mark.parametrize("run_blocks", [0, kv_index.RUN_BLOCKS])  # 0: each worker walked alone
-@pytest.mark.parametrize("config", [CONFIG, UNWEIGHTED], ids=["weighted", "unweighted"])
+@CONFIGS
 @settings(max_examples=400, deadline=None)
 @given(
     fleet=st.lists(worker, min_size=1, max_size=12),
@@ -247,7 +251,7 @@ def test_the_lightest_queue_is_found_behind_a_drained_worker_further_in_both_ord
     now=st.floats(0.0, 0.8),
 )
 @pytest.mark.parametrize("small_fleet", [0, SMALL_FLEET])  # searched; predicted whole
-@pytest.mark.parametrize("config", [CONFIG, UNWEIGHTED], ids=["weighted", "unweighted"])
+@CONFIGS
 def test_a_large_group_of_holders_reduces_to_its_lightest(
     small_fleet: int,
     config: KvAwareConfig,

@@ -12,6 +12,7 @@ from kvserve.cli import app
     ("flag", "value", "reason"),
     [
         ("--kv-aware-recompute-weight", "-1", "recompute_weight must be >= 0"),
+        ("--kv-aware-home-weight", "-1", "home_weight must be >= 0"),
         ("--kv-aware-retention-margin", "-0.5", "retention margin must be >= 0"),
         ("--kv-aware-retention-window", "0", "retention window must be > 0"),
         ("--kv-aware-replica-spread", "-0.01", "replica_spread_s must be >= 0"),
@@ -31,6 +32,7 @@ def test_help_lists_the_future_cost_flags() -> None:
     assert result.exit_code == 0
     for flag in (
         "--kv-aware-recompute-weight",
+        "--kv-aware-home-weight",
         "--kv-aware-retention-margin",
         "--kv-aware-retention-window",
         "--kv-aware-replica-spread",

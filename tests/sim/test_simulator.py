@@ -195,6 +195,26 @@ def test_cli_takes_kv_aware_recompute_weight_and_refuses_a_negative_one() -> Non
     assert refused.returncode != 0 and "recompute_weight must be >= 0" in refused.stderr
 
 
+def test_cli_takes_kv_aware_home_weight_and_refuses_a_negative_one() -> None:
+    args = ["--workers", "2", "--cache-tokens", "100000", "--policy", "kv_aware"]
+    args += ["--profile", "tiny", "--json", "--kv-aware-recompute-weight", "8"]
+    completed = run_simulate(*args, "--kv-aware-home-weight", "3")
+    assert completed.returncode == 0, completed.stderr
+    assert json.loads(completed.stdout)[0]["requests"] == 6
+    refused = run_simulate(*args, "--kv-aware-home-weight", "-1")
+    assert refused.returncode != 0 and "home_weight must be >= 0" in refused.stderr
+
+
+def test_cli_names_the_arrival_rate_it_simulated() -> None:
+    """--speedup 4 compresses arrival times 4x: four times the trace's arrival rate."""
+    completed = run_simulate(
+        "--workers", "2", "--cache-tokens", "100000", "--policy", "round_robin",
+        "--profile", "tiny", "--speedup", "4",
+    )  # fmt: skip
+    assert completed.returncode == 0, completed.stderr
+    assert "arrivals x4)" in completed.stdout
+
+
 def test_cli_takes_kv_aware_retention_parameters_and_refuses_bad_ones() -> None:
     args = ["--workers", "2", "--cache-tokens", "100000", "--policy", "kv_aware"]
     args += ["--profile", "tiny", "--json", "--kv-aware-recompute-weight", "8"]

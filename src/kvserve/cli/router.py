@@ -177,6 +177,14 @@ def register(app: typer.Typer) -> None:
                 "deepest holder's (default: the policy's own; see docs/internals.md)."
             ),
         ] = None,
+        kv_aware_home_weight: Annotated[
+            float | None,
+            _tuning(
+                "kv_aware: score seconds per second of a worker's wait, times the share of "
+                "the prompt computed there (a prefix's new home; it also scales the "
+                "recompute weight by the holder's share; default: the policy's own)."
+            ),
+        ] = None,
         kv_aware_replica_spread: Annotated[
             float | None,
             _tuning(
@@ -254,6 +262,9 @@ def register(app: typer.Typer) -> None:
                     replica_spread_s=default_costs.replica_spread_s
                     if kv_aware_replica_spread is None
                     else kv_aware_replica_spread,
+                    home_weight=default_costs.home_weight
+                    if kv_aware_home_weight is None
+                    else kv_aware_home_weight,
                 ),
                 session_header=session_header,
                 tokenizer=tokenizer,

@@ -154,6 +154,14 @@ def register(app: typer.Typer) -> None:
                 "beyond the deepest holder's (default: the policy's own)."
             ),
         ] = None,
+        kv_aware_home_weight: Annotated[
+            float | None,
+            typer.Option(
+                help="kv_aware: score seconds per second of a worker's wait, times the share "
+                "of the prompt computed there (a prefix's new home; it also scales the "
+                "recompute weight by the holder's share; default: the policy's own)."
+            ),
+        ] = None,
         kv_aware_retention_margin: Annotated[
             float | None,
             typer.Option(
@@ -226,6 +234,8 @@ def register(app: typer.Typer) -> None:
         kv_aware_overrides = {}
         if kv_aware_recompute_weight is not None:
             kv_aware_overrides["recompute_weight"] = kv_aware_recompute_weight
+        if kv_aware_home_weight is not None:
+            kv_aware_overrides["home_weight"] = kv_aware_home_weight
         if kv_aware_retention_margin is not None:
             kv_aware_overrides["retention_margin"] = kv_aware_retention_margin
         if kv_aware_retention_window is not None:
@@ -256,7 +266,7 @@ def register(app: typer.Typer) -> None:
         except ValueError as error:
             raise typer.BadParameter(str(error)) from error
         setup = (
-            f"trace {loaded.name} ({len(loaded.requests)} requests, arrivals x{1 / speedup:g}), "
+            f"trace {loaded.name} ({len(loaded.requests)} requests, arrivals x{speedup:g}), "
             + (
                 f"{prefill} prefill + {decode} decode workers (KV transfers at "
                 f"{transfer_gbps:g} GB/s + {transfer_latency:g} s)"

@@ -50,6 +50,26 @@ at a lower mean TTFT than cache_aware's on all nine, but has a higher TTFT than 
 on the bursty prompts (mean 2–2.7×) and the agent sessions at ×4 (1.3×). The default
 stays 0 (TTFT first); ``--kv-aware-recompute-weight 8`` keeps the hits.
 
+A choice also moves a prefix's home: the requests that extend a prompt (a conversation's
+next turns) follow its blocks to the worker that computed them. In a fleet with idle
+workers, TTFT alone starts new conversations on a busy holder of their first blocks (a
+shared system prompt saves a few milliseconds of prefill there) rather than on an idle
+worker, and their later turns then queue there: on the Mooncake conversation trace at
+160 workers ×16, half the fleet stayed idle and 95 % of requests went to a worker already
+busy (cache_aware: 27 %), so kv_aware computed more (hit rate 0.343 against 0.366) and
+waited longer (TTFT p50 0.114 against 0.105 s). ``home_weight`` (h) charges each
+candidate for the load its later requests will meet::
+
+    score += h × (TTFT − prefill seconds there) × (tokens computed there / prompt tokens)
+
+so a worker that would compute most of the prompt counts its wait (1 + h) times, and its
+own holder (computing a few new tokens) about once. With it, the recompute weight is
+scaled by the deepest holder's share of the prompt: a holder of a shared system prompt
+alone is a weak reason to queue, a holder of the conversation so far a strong one. At 160
+workers, h = 3 with a recompute weight of 8 gives hit rate 0.367, TTFT p50 0.102 s and
+p99 4.97 s against cache_aware's 0.366, 0.105 and 5.98 (docs/benchmarks.md, "A prefix's
+home"); at 10 workers it keeps fewer hits under load than the unscaled weight. Default 0.
+
 Ties (equal predictions) go to the less loaded worker, then by rendezvous hashing on the
 request's block chain rather than a per-process rotation: two router replicas with the
 same index and loads make the same choice. That is what piles a burst onto one worker
@@ -158,6 +178,12 @@ class KvAwareConfig:
     # :class:`~kvserve.core.routing.tie_breaking.ReplicaSalt`; the value by measurement,
     # docs/benchmarks.md "Router replicas announcing their routing"). One router: unused.
     replica_spread_s: float = 0.05
+    # Seconds of score per second of a candidate's load, times the share of the prompt it
+    # would compute: a choice that computes most of a prompt makes the worker that prefix's
+    # home, where the requests extending it (a conversation's next turns) follow and meet
+    # the same load (see the module docstring). With it, the recompute weight is also
+    # scaled by the deepest holder's share of the prompt. 0 (the default): neither.
+    home_weight: float = 0.0
 
     def __post_init__(self) -> None:
         values = (
@@ -175,6 +201,8 @@ class KvAwareConfig:
             raise ValueError("recompute_weight must be >= 0")
         if self.replica_spread_s < 0:
             raise ValueError("replica_spread_s must be >= 0")
+        if self.home_weight < 0:
+            raise ValueError("home_weight must be >= 0")
         HolderPressure(self.retention_margin, self.retention_window_s)  # validates
 
     @classmethod
@@ -344,10 +372,11 @@ def _choose(
     a tie), then the lighter guards, then rendezvous hashing (computed for the tied only).
     The score is the TTFT plus ``weight`` (default: ``recompute_weight``, undiscounted)
     times the prefill seconds the choice computes beyond what the deepest holder would,
-    plus a router replica's ``salt`` for the worker, if any."""
+    plus the home term (``home_weight``), plus a router replica's ``salt`` for the
+    worker, if any."""
     deepest = max(map(itemgetter(2), scored))
     weight = config.recompute_weight if weight is None else weight
-    if weight or salt is not None:
+    if weight or salt is not None or config.home_weight:
         ranks = _ranks(scored, deepest, prompt_tokens, config, weight, salt)
         lowest = min(ranks)
         tied = [s for s, rank in zip(scored, ranks, strict=True) if rank == lowest]
@@ -485,13 +514,23 @@ def _ranks(
     salt: ReplicaSalt | None,
 ) -> list[tuple[float, tuple[int, int]]]:
     """:func:`_choose`'s (score rounded to the nanosecond, sort key) per scored worker,
-    with a recompute ``weight`` or a replica's ``salt``."""
+    with a recompute ``weight``, a home weight or a replica's ``salt``.
+
+    The home term is ``home_weight`` × (the TTFT less the prefill: the wait there, and
+    loading host or storage hits) × the share of the prompt computed there; with it the
+    recompute term is scaled by the share of the prompt the deepest holder holds."""
     floor_s = config.prefill_s(prompt_tokens - deepest, deepest) if weight else 0.0
+    home = config.home_weight
+    if home and prompt_tokens:
+        weight *= deepest / prompt_tokens
 
     def score(ttft: float, cached: int) -> float:
+        prefill_s = config.prefill_s(prompt_tokens - cached, cached)
+        if home and prompt_tokens:
+            ttft += home * (ttft - prefill_s) * (prompt_tokens - cached) / prompt_tokens
         if not weight or cached == deepest:
             return ttft
-        return ttft + weight * (config.prefill_s(prompt_tokens - cached, cached) - floor_s)
+        return ttft + weight * (prefill_s - floor_s)
 
     def salted(worker: WorkerLoad, ttft: float, cached: int) -> float:
         value = score(ttft, cached)
@@ -557,7 +596,8 @@ class KvAwareRouting:
         tie_key = block_hashes[-1] if block_hashes else prompt_tokens
         if len(workers) <= self.small_fleet:
             fleet = self._whole_fleet(workers, block_hashes, prompt_tokens, block_size, now)
-            if not self.config.recompute_weight and self.salt is None:
+            config = self.config
+            if not config.recompute_weight and not config.home_weight and self.salt is None:
                 return _choose_whole(fleet, tie_key)
             scored = fleet.scored()
         else:
