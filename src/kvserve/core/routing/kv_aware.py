@@ -123,6 +123,12 @@ SALTED_LOAD_ROUNDS = 4
 # at 100 workers whole 3.2x cache_aware's decision time against 4.4-5.0x for the few, at
 # 250 4.7x against 3.2x)
 SMALL_FLEET = 128
+# With a recompute or home weight, a fleet's workers are scored one by one (no grouped
+# choice), and finding the few worth predicting costs less past this many (instructions
+# per decision, routing_scale.py's fleet, 16-block prompts, weight 8 and home weight 3:
+# 20 workers 669k whole against 711k for the few, 30 workers 839k against 734k, 100
+# workers 2.20M against 0.72M)
+SMALL_WEIGHTED_FLEET = 24
 # Holders sharing one match: up to this many are listed and scanned; more are searched
 # in LoadOrder's arrays (a fixed cost of a few array operations, cheaper past this)
 GROUP_SCAN = 16
@@ -590,14 +596,17 @@ class KvAwareRouting:
 
         Only the holders of a prefix and the lightest loads are predicted (see the
         module docstring); a worker not seen before is learnt from ``workers``. A fleet
-        of up to ``small_fleet`` workers is predicted whole: the reference rule, cheaper
-        there than finding the few worth predicting.
+        of up to ``small_fleet`` workers (``SMALL_WEIGHTED_FLEET`` with a weight) is
+        predicted whole: the reference rule, cheaper there than finding the few worth
+        predicting.
         """
         tie_key = block_hashes[-1] if block_hashes else prompt_tokens
-        if len(workers) <= self.small_fleet:
+        config = self.config
+        weighted = bool(config.recompute_weight or config.home_weight)
+        whole = min(self.small_fleet, SMALL_WEIGHTED_FLEET) if weighted else self.small_fleet
+        if len(workers) <= whole:
             fleet = self._whole_fleet(workers, block_hashes, prompt_tokens, block_size, now)
-            config = self.config
-            if not config.recompute_weight and not config.home_weight and self.salt is None:
+            if not weighted and self.salt is None:
                 return _choose_whole(fleet, tie_key)
             scored = fleet.scored()
         else:
