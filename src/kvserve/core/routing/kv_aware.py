@@ -67,7 +67,7 @@ own holder (computing a few new tokens) about once. With it, the recompute weigh
 scaled by the deepest holder's share of the prompt: a holder of a shared system prompt
 alone is a weak reason to queue, a holder of the conversation so far a strong one. At 160
 workers, h = 3 with a recompute weight of 8 gives hit rate 0.367, TTFT p50 0.102 s and
-p99 4.97 s against cache_aware's 0.366, 0.105 and 5.98 (docs/benchmarks.md, "A prefix's
+p99 4.95 s against cache_aware's 0.366, 0.105 and 5.91 (docs/benchmarks.md, "A prefix's
 home"); at 10 workers it keeps fewer hits under load than the unscaled weight. Default 0.
 
 Ties (equal predictions) go to the less loaded worker, then by rendezvous hashing on the
@@ -531,6 +531,8 @@ def _ranks(
         weight *= deepest / prompt_tokens
 
     def score(ttft: float, cached: int) -> float:
+        if not (weight or home):  # a salt alone
+            return ttft
         prefill_s = config.prefill_s(prompt_tokens - cached, cached)
         if home and prompt_tokens:
             ttft += home * (ttft - prefill_s) * (prompt_tokens - cached) / prompt_tokens
