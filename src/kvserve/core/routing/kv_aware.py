@@ -526,15 +526,15 @@ def _ranks(
     loading host or storage hits) × the share of the prompt computed there; with it the
     recompute term is scaled by the share of the prompt the deepest holder holds."""
     floor_s = config.prefill_s(prompt_tokens - deepest, deepest) if weight else 0.0
-    home = config.home_weight
-    if home and prompt_tokens:
+    home = config.home_weight if prompt_tokens else 0.0  # no prompt: no shares
+    if home:
         weight *= deepest / prompt_tokens
 
     def score(ttft: float, cached: int) -> float:
         if not (weight or home):  # a salt alone
             return ttft
         prefill_s = config.prefill_s(prompt_tokens - cached, cached)
-        if home and prompt_tokens:
+        if home:
             ttft += home * (ttft - prefill_s) * (prompt_tokens - cached) / prompt_tokens
         if not weight or cached == deepest:
             return ttft
