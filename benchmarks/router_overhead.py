@@ -5,7 +5,9 @@ foreign OpenAI-compatible servers (which answer at once). Rounds alternate betwe
 target so that machine noise hits all of them alike. Reported, per target:
 
 - added latency: median (p50) and p99 per request at concurrency 1 (a sequential Python
-  client), minus the direct figure;
+  client), minus the direct figure. The latency requests are interleaved, one to each
+  target in turn (the order rotating), so that a burst of other work on the box lands on
+  every target's tail alike instead of on whichever target's block of requests it met;
 - max requests/s under a closed loop of ``--concurrency`` connections for ``--duration``
   seconds, driven by ``--client``: ``wrk`` (``wrk -t1 -cN``, a C load generator; installed
   from Debian's packages when missing) or ``python`` (aiohttp clients); with ``wrk`` also
@@ -109,22 +111,32 @@ class Target:
     label: str
     process: ServerProcess
     latency: list[float] = field(default_factory=list)
+    round_p99: list[float] = field(default_factory=list)
     throughput: list[float] = field(default_factory=list)
     cpu_per_request: list[float] = field(default_factory=list)
     loaded_p50: list[float] = field(default_factory=list)
     loaded_p99: list[float] = field(default_factory=list)
 
 
-async def _latencies(url: str, requests: int) -> list[float]:
-    async with aiohttp.ClientSession() as session:
-        seconds = []
+async def _latencies(urls: list[str], requests: int) -> list[list[float]]:
+    """Seconds per request for each url, ``requests`` each, sent one url after another."""
+    sessions = [aiohttp.ClientSession() for _ in urls]
+    seconds: list[list[float]] = [[] for _ in urls]
+    try:
         for index in range(requests):
-            started = time.perf_counter()
-            async with session.post(url + "/v1/completions", json=_body(index)) as response:
-                await response.read()
-                assert response.status == 200, response.status
-            seconds.append(time.perf_counter() - started)
+            for turn in range(len(urls)):
+                which = (index + turn) % len(urls)
+                started = time.perf_counter()
+                async with sessions[which].post(
+                    urls[which] + "/v1/completions", json=_body(index)
+                ) as response:
+                    await response.read()
+                    assert response.status == 200, response.status
+                seconds[which].append(time.perf_counter() - started)
         return seconds
+    finally:
+        for session in sessions:
+            await session.close()
 
 
 async def _python_load(url: str, concurrency: int, duration_s: float) -> int:
@@ -186,8 +198,14 @@ def _percentile(values: list[float], q: float) -> float:
     return statistics.quantiles(values, n=100)[int(q) - 1]
 
 
-def _run_round(target: Target, args: argparse.Namespace, wrk: str | None, script: Path) -> None:
-    target.latency += asyncio.run(_latencies(target.process.url, args.requests))
+def _measure_latency(targets: list[Target], requests: int) -> None:
+    urls = [target.process.url for target in targets]
+    for target, seconds in zip(targets, asyncio.run(_latencies(urls, requests)), strict=True):
+        target.latency += seconds
+        target.round_p99.append(_percentile(seconds, 99))
+
+
+def _run_load(target: Target, args: argparse.Namespace, wrk: str | None, script: Path) -> None:
     pid = target.process.process.pid
     cpu_before, started_at = _cpu_seconds(pid), time.perf_counter()
     if wrk is None:
@@ -243,10 +261,14 @@ def _report(targets: list[Target], args: argparse.Namespace) -> None:
                 f"{policy}: kvserve {server} x{processes}/sglang req/s {rps:.2f} "
                 f"(per round: {per_round}), CPU per request {cpu:.2f}"
             )
-    for target in targets[1:]:
+    for target in targets:
         rounds = ", ".join(f"{r:.0f}" for r in target.throughput)
         p99s = ", ".join(f"{p * 1e3:.1f}" for p in target.loaded_p99)
-        print(f"{target.label}: req/s per round {rounds}; load p99 ms per round {p99s or '-'}")
+        quiet = ", ".join(f"{p * 1e3:.2f}" for p in target.round_p99)
+        print(
+            f"{target.label}: req/s per round {rounds}; load p99 ms per round {p99s or '-'}; "
+            f"concurrency-1 p99 ms per round {quiet}"
+        )
 
 
 def main() -> None:
@@ -298,11 +320,11 @@ def main() -> None:
             sg = start_sglang_router(urls, free_port(), policy)
             started.append(sg)
             targets.append(Target(f"sglang {policy}", sg))
-        for target in targets:  # warm connections and the routers' trees
-            asyncio.run(_latencies(target.process.url, 20))
+        asyncio.run(_latencies([t.process.url for t in targets], 20))  # warm the trees
         for round_index in range(args.rounds):
+            _measure_latency(targets, args.requests)
             for target in targets:
-                _run_round(target, args, wrk, script)
+                _run_load(target, args, wrk, script)
             print(f"round {round_index + 1}/{args.rounds} done", file=sys.stderr)
     finally:
         for process in reversed(started):
