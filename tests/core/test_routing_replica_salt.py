@@ -10,7 +10,12 @@ import random
 import pytest
 
 from kvserve.core.kv_events import KVEvent
-from kvserve.core.routing.kv_aware import KvAwareChoice, KvAwareConfig, KvAwareRouting
+from kvserve.core.routing.kv_aware import (
+    SMALL_SALTED_FLEET,
+    KvAwareChoice,
+    KvAwareConfig,
+    KvAwareRouting,
+)
 from kvserve.core.routing.tie_breaking import ReplicaSalt
 from kvserve.core.routing.types import WorkerLoad
 
@@ -110,21 +115,28 @@ def test_a_tie_splits_across_replicas_by_their_salt() -> None:
     }
 
 
-def test_a_win_by_more_than_the_spread_stands_on_every_replica() -> None:
+# a fleet predicted whole; one past SMALL_SALTED_FLEET, whose salted decisions predict
+# only candidates
+FLEET_SIZES = [6, SMALL_SALTED_FLEET + 12]
+
+
+@pytest.mark.parametrize("size", FLEET_SIZES)
+def test_a_win_by_more_than_the_spread_stands_on_every_replica(size: int) -> None:
     prompt = list(range(1, 41))  # 640 tokens: the holder saves far more than 20 ms
     for name in REPLICAS:
         routing = KvAwareRouting(SPREAD)
         routing.as_replica(name)
         routing.index.apply("w1", KVEvent(1, "stored", "device", tuple(prompt), None))
-        loads = [WorkerLoad(f"w{i}") for i in range(6)]
+        loads = [WorkerLoad(f"w{i}") for i in range(size)]
         choice = routing.best(loads, prompt, 40 * BLOCK + 3, BLOCK, now=0.0)
         assert (choice.worker_id, choice.reason) == ("w1", "cache_hit")
 
 
-def test_a_replica_looks_past_the_single_lightest_for_its_salt() -> None:
+@pytest.mark.parametrize("size", FLEET_SIZES)
+def test_a_replica_looks_past_the_single_lightest_for_its_salt(size: int) -> None:
     """Workers a few milliseconds apart in load are candidates of a salted decision, so
     replicas do not all take the one lightest: each takes its own near-lightest."""
-    loads = [WorkerLoad(f"w{i}", 1, 40 * i) for i in range(8)]  # ~1 ms apart each
+    loads = [WorkerLoad(f"w{i}", 1, 40 * i) for i in range(size)]  # ~1 ms apart each
     chosen = set()
     for name in REPLICAS:
         routing = KvAwareRouting(SPREAD)
@@ -143,3 +155,22 @@ def test_salt_offsets_are_fixed_per_replica_and_worker_and_below_the_spread() ->
     assert all(0 <= x < 0.02 for x in offsets)
     with pytest.raises(ValueError, match="replica_spread_s"):
         KvAwareConfig(replica_spread_s=-0.01)
+
+
+def test_a_salted_decision_past_its_bound_predicts_candidates_not_the_fleet() -> None:
+    """Walking the load orders for a salt's candidates costs more than predicting a small
+    fleet whole, less past ``SMALL_SALTED_FLEET`` workers; the bound picks the path."""
+    routing = KvAwareRouting(SPREAD)
+    routing.as_replica("r0")
+    whole_fleets = []
+    real_whole_fleet = routing._whole_fleet
+
+    def counting_whole_fleet(*args: object) -> object:
+        whole_fleets.append(len(args[0]))  # type: ignore[arg-type]
+        return real_whole_fleet(*args)  # type: ignore[arg-type]
+
+    routing._whole_fleet = counting_whole_fleet  # type: ignore[method-assign]
+    for size in (SMALL_SALTED_FLEET, SMALL_SALTED_FLEET + 1):
+        loads = [WorkerLoad(f"w{i}", 1, 40 * i) for i in range(size)]
+        routing.best(loads, [5], BLOCK, BLOCK, now=0.0)
+    assert whole_fleets == [SMALL_SALTED_FLEET]

@@ -129,6 +129,11 @@ SMALL_FLEET = 128
 # 20 workers 669k whole against 711k for the few, 30 workers 839k against 734k, 100
 # workers 2.20M against 0.72M)
 SMALL_WEIGHTED_FLEET = 24
+# With a replica's salt and no weight, the same crossover lies further out: salted
+# candidates walk the load orders SALTED_LOAD_ROUNDS times (instructions per decision,
+# same fleet and prompts: 40 workers 798k whole against 1,011k for the few, 50 workers
+# 927k against 875k, 100 workers 1,537k against 923k)
+SMALL_SALTED_FLEET = 48
 # Holders sharing one match: up to this many are listed and scanned; more are searched
 # in LoadOrder's arrays (a fixed cost of a few array operations, cheaper past this)
 GROUP_SCAN = 16
@@ -598,14 +603,18 @@ class KvAwareRouting:
 
         Only the holders of a prefix and the lightest loads are predicted (see the
         module docstring); a worker not seen before is learnt from ``workers``. A fleet
-        of up to ``small_fleet`` workers (``SMALL_WEIGHTED_FLEET`` with a weight) is
-        predicted whole: the reference rule, cheaper there than finding the few worth
-        predicting.
+        of up to ``small_fleet`` workers (``SMALL_WEIGHTED_FLEET`` with a weight,
+        ``SMALL_SALTED_FLEET`` with a replica's salt) is predicted whole: the reference
+        rule, cheaper there than finding the few worth predicting.
         """
         tie_key = block_hashes[-1] if block_hashes else prompt_tokens
         config = self.config
         weighted = bool(config.recompute_weight or config.home_weight)
-        whole = min(self.small_fleet, SMALL_WEIGHTED_FLEET) if weighted else self.small_fleet
+        whole = self.small_fleet
+        if weighted:
+            whole = min(whole, SMALL_WEIGHTED_FLEET)
+        elif self.salt is not None:
+            whole = min(whole, SMALL_SALTED_FLEET)
         if len(workers) <= whole:
             fleet = self._whole_fleet(workers, block_hashes, prompt_tokens, block_size, now)
             if not weighted and self.salt is None:
