@@ -536,8 +536,6 @@ def _ranks(
         weight *= deepest / prompt_tokens
 
     def score(ttft: float, cached: int) -> float:
-        if not (weight or home):  # a salt alone
-            return ttft
         prefill_s = config.prefill_s(prompt_tokens - cached, cached)
         if home:
             ttft += home * (ttft - prefill_s) * (prompt_tokens - cached) / prompt_tokens
@@ -545,11 +543,13 @@ def _ranks(
             return ttft
         return ttft + weight * (prefill_s - floor_s)
 
-    def salted(worker: WorkerLoad, ttft: float, cached: int) -> float:
-        value = score(ttft, cached)
-        return value if salt is None else value + salt(worker.worker_id)
-
-    return [(round(salted(w, ttft, cached), 9), w.sort_key) for w, ttft, cached in scored]
+    if weight or home:
+        values = [score(ttft, cached) for _, ttft, cached in scored]
+    else:  # a salt alone: the TTFT is the score
+        values = list(map(itemgetter(1), scored))
+    if salt is not None:
+        values = [value + salt(s[0].worker_id) for value, s in zip(values, scored, strict=True)]
+    return [(round(value, 9), s[0].sort_key) for value, s in zip(values, scored, strict=True)]
 
 
 class KvAwareRouting:
