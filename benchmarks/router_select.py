@@ -5,7 +5,9 @@ tracker wired to the policy as the app wires it, metrics), no network: what the 
 loop spends choosing a worker for one request. The parts, timed on the same requests:
 
 - ``accepting``: the registry's list of the pool's workers that take traffic;
-- ``loads``: the tracker's load of each of them, the list the policy is given;
+- ``loads``: the loads the policy is given: kept per pool between requests (``kept``,
+  the router's way since it keeps them) or the tracker's load of each worker listed per
+  request (``listed``, as before; with ``--processes N`` it still does);
 - ``policy``: ``policy.select`` on that list;
 - ``_select``: the whole of it (the three above, the decision's metrics, the lookup of
   the chosen worker).
@@ -15,7 +17,8 @@ blocks of its own conversations, a tenth hold a shared system prompt); the chose
 worker keeps a guard until a random later decision releases one, as requests would.
 Rules alternate per request so that machine noise hits all alike.
 
-Run: ``python benchmarks/router_select.py [--workers 10,1000] [--decisions 300]``.
+Run: ``python benchmarks/router_select.py [--workers 10,1000] [--decisions 300]
+[--loads kept,listed]``.
 """
 
 from __future__ import annotations
@@ -26,13 +29,15 @@ import os
 import random
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
+from kvserve.core.routing.types import WorkerLoad
 from kvserve.router.config import RouterConfig
+from kvserve.router.kept_loads import KeptPoolLoads
 from kvserve.router.load_guard import LoadGuard, LoadTracker
 from kvserve.router.metrics import RouterMetrics
 from kvserve.router.proxy import Proxy
-from kvserve.router.worker_registry import WorkerRegistry
+from kvserve.router.worker_registry import Worker, WorkerRegistry
 from routing_scale import Fleet
 
 PARTS = ("accepting", "loads", "policy", "_select")
@@ -41,7 +46,9 @@ PARTS = ("accepting", "loads", "policy", "_select")
 class RouterUnderTest:
     """One policy's router objects over ``workers`` registered workers."""
 
-    def __init__(self, policy_name: str, workers: int, blocks: int, prompt_blocks: int) -> None:
+    def __init__(
+        self, policy_name: str, workers: int, blocks: int, prompt_blocks: int, keep: bool
+    ) -> None:
         self.fleet = Fleet(workers, blocks, prompt_blocks, seed=0)
         config = RouterConfig(
             worker_urls=tuple(f"http://w{i}.test" for i in range(workers)), policy=policy_name
@@ -50,10 +57,18 @@ class RouterUnderTest:
         for url in config.worker_urls:
             self.registry.add(url).healthy = True
         self.policy = config.make_policy(0.0)
-        self.tracker = LoadTracker(on_change=self.policy.observe_load)
+        self.tracker = LoadTracker(on_change=self._load_changed)
+        self.kept = KeptPoolLoads(self.tracker.load) if keep else None
         self.now = 0.0
         self.proxy = Proxy(
-            config, self.registry, self.tracker, self.policy, RouterMetrics(), None, self.clock
+            config,
+            self.registry,
+            self.tracker,
+            self.policy,
+            RouterMetrics(),
+            None,
+            self.clock,
+            kept_loads=self.kept,
         )
         if self.policy.observes_kv_events:
             self.fleet.fill(self.policy)  # type: ignore[arg-type]
@@ -63,6 +78,16 @@ class RouterUnderTest:
     def clock(self) -> float:
         return self.now
 
+    def _load_changed(self, load: WorkerLoad) -> None:  # as the router app wires it
+        self.policy.observe_load(load)
+        if self.kept is not None:
+            self.kept.changed(load)
+
+    def loads(self, pool: str, workers: Sequence[Worker]) -> Sequence[WorkerLoad]:
+        if self.kept is not None:
+            return self.kept.of(pool, workers)
+        return [self.tracker.load(w.worker_id) for w in workers]
+
     def decide(self, times: dict[str, list[float]]) -> None:
         """One request: each part timed alone, then the whole; then loads move."""
         query = self.fleet.query()
@@ -71,8 +96,8 @@ class RouterUnderTest:
             ("_select", lambda: self.proxy._select(query, set())),
         ]
         workers = self.registry.accepting(self.now, query.pool)
-        loads = [self.tracker.load(w.worker_id) for w in workers]
-        parts.insert(1, ("loads", lambda: [self.tracker.load(w.worker_id) for w in workers]))
+        loads = self.loads(query.pool, workers)
+        parts.insert(1, ("loads", lambda: self.loads(query.pool, workers)))
         parts.insert(2, ("policy", lambda: self.policy.select(query, loads, self.now)))
         chosen = ""
         for name, part in parts:
@@ -95,6 +120,7 @@ def main() -> None:
     parser.add_argument("--blocks", type=int, default=100)
     parser.add_argument("--prompt-blocks", type=int, default=16)
     parser.add_argument("--decisions", type=int, default=300)
+    parser.add_argument("--loads", default="kept,listed", help="kept, listed or both")
     args = parser.parse_args()
     print(f"load average {os.getloadavg()}")
     print("\n## router CPU per decision, µs (p50 / p99)\n")
@@ -102,8 +128,11 @@ def main() -> None:
     print("|---:|---|" + "---:|" * len(PARTS))
     for workers in (int(w) for w in args.workers.split(",")):
         routers = {
-            name: RouterUnderTest(name, workers, args.blocks, args.prompt_blocks)
+            f"{name} ({mode})": RouterUnderTest(
+                name, workers, args.blocks, args.prompt_blocks, mode == "kept"
+            )
             for name in args.policies.split(",")
+            for mode in args.loads.split(",")
         }
         times = {name: {part: [] for part in PARTS} for name in routers}
         gc.collect()

@@ -16,7 +16,9 @@ The fleet: each worker holds ``--blocks`` blocks of its own conversations, and a
 system prompt of 8 blocks is held by a tenth of the workers; each request extends one
 conversation (held by one worker) by a few blocks. Loads move as a router's guards would:
 the chosen worker takes one request and its prefill, a random worker releases one.
-Decision time is CPU time (``time.thread_time_ns``) of ``select`` alone.
+Decision time is CPU time (``time.thread_time_ns``) of ``select`` alone, given the loads
+as the router gives them: a :class:`~kvserve.core.routing.pool_loads.PoolLoads` kept
+between decisions.
 
 ``--extra-blocks N`` adds N blocks per worker that no request reads, to kv_aware's index
 only (cache_aware's tree learns only the conversations): the decision at the index size
@@ -44,7 +46,7 @@ import random
 import statistics
 import time
 import tracemalloc
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from kvserve.core.cost_model import profile as cost_profile
@@ -55,6 +57,7 @@ from kvserve.core.routing.kv_index import KVBlockIndex
 from kvserve.core.routing.policies.cache_aware import CacheAwarePolicy
 from kvserve.core.routing.policies.kv_aware import KvAwarePolicy
 from kvserve.core.routing.policy import Policy
+from kvserve.core.routing.pool_loads import PoolLoads
 from kvserve.core.routing.types import PromptBlocks, RouteQuery, WorkerLoad
 from kvserve.sim.report import summarize
 from kvserve.sim.simulator import SimConfig, simulate
@@ -75,6 +78,7 @@ class Fleet:
         self.ids = [f"w{i}" for i in range(workers)]
         self.prompt_blocks = prompt_blocks
         self.loads = {w: WorkerLoad(w) for w in self.ids}
+        self.pool = PoolLoads(self.loads.values())  # what the router keeps and passes
         # each worker: conversations of prompt_blocks - 2 blocks after the system prompt
         per_conversation = max(1, prompt_blocks - SYSTEM_BLOCKS - 2)
         self.conversations: dict[str, list[list[int]]] = {}
@@ -123,11 +127,13 @@ class Fleet:
             chosen, load.in_flight_requests + 1, load.in_flight_prefill_tokens + tokens
         )
         observe(self.loads[chosen])
+        self.pool.replace(self.loads[chosen])
         done = self.rng.choice(self.ids)
         load = self.loads[done]
         if load.in_flight_requests:
             self.loads[done] = WorkerLoad(done, load.in_flight_requests - 1, 0)
             observe(self.loads[done])
+            self.pool.replace(self.loads[done])
 
 
 def decision_times(
@@ -150,7 +156,7 @@ def decision_times(
         now = n * 0.01
         query = fleet.query()
         assert query.blocks is not None
-        loads = list(fleet.loads.values())
+        loads = fleet.pool
 
         rules: list[tuple[str, Callable[[], str]]] = [
             ("cache_aware", functools.partial(_select, cache, query, loads, now)),
@@ -170,12 +176,12 @@ def decision_times(
     return times
 
 
-def _select(policy: Policy, query: RouteQuery, loads: list[WorkerLoad], now: float) -> str:
+def _select(policy: Policy, query: RouteQuery, loads: Sequence[WorkerLoad], now: float) -> str:
     return policy.select(query, loads, now).worker_id
 
 
 def _exhaustive(
-    policy: KvAwarePolicy, query: RouteQuery, loads: list[WorkerLoad], now: float
+    policy: KvAwarePolicy, query: RouteQuery, loads: Sequence[WorkerLoad], now: float
 ) -> str:
     """The reference rule over the same index and queue; it records nothing."""
     assert query.blocks is not None

@@ -81,5 +81,5 @@ def test_an_open_breaker_readmits_its_worker_when_its_time_is_up_with_no_other_c
     assert [w.worker_id for w in registry.accepting(0.0, "regular")] == ["w0"]
     worker.breaker.record_failure(1.0)
     worker.breaker.record_failure(1.0)
-    assert registry.accepting(5.9, "regular") == []
+    assert not registry.accepting(5.9, "regular")
     assert [w.worker_id for w in registry.accepting(6.0, "regular")] == ["w0"]

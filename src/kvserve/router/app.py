@@ -29,6 +29,7 @@ from kvserve.router.dashboard.sampler import FleetSampler
 from kvserve.router.errors import openai_error
 from kvserve.router.fleet_changes import Change, FleetChanges
 from kvserve.router.health import HealthChecker
+from kvserve.router.kept_loads import KeptPoolLoads
 from kvserve.router.kv_event_source import KVSERVE_STREAM, parse_kv_event_source
 from kvserve.router.kv_event_subscriber import KVEventSubscriber
 from kvserve.router.lean_request import LeanRequest, RelayedAnswer
@@ -107,6 +108,11 @@ class Router:
             )
             self._routing_policy = AnnouncingPolicy(self.policy, self.siblings.announcer)
             self._sibling_metrics = SiblingMetrics(member.links, self.metrics.registry)
+        # Each pool's loads kept for the policy, where every change of a load is told
+        # (not with sibling processes: theirs change the shared table silently; PD pairs
+        # list theirs, each decode load with its polled headroom).
+        keep = self.siblings is None and not config.pd_mode
+        self.kept_loads = KeptPoolLoads(self.tracker.load) if keep else None
         several = member is not None and member.count > 1
         self._fleet = FleetChanges(
             self._apply_fleet_change,
@@ -159,8 +165,16 @@ class Router:
                 self.metrics,
             )
             process = None if self.member is None else self.member.index
-            proxy_type = PDProxy if self.config.pd_mode else Proxy
-            self._proxy = proxy_type(*proxy_args, session, preparer=self.preparer, process=process)
+            if self.config.pd_mode:
+                self._proxy = PDProxy(*proxy_args, session, preparer=self.preparer, process=process)
+            else:
+                self._proxy = Proxy(
+                    *proxy_args,
+                    session,
+                    preparer=self.preparer,
+                    process=process,
+                    kept_loads=self.kept_loads,
+                )
             self._health = HealthChecker(self.registry, self.config.health, self.metrics, session)
             await self._health.probe_all()
             summed = None if self._sibling_metrics is None else self._sibling_metrics.families
@@ -206,13 +220,18 @@ class Router:
         if follow and siblings is not None and isinstance(tracker, SharedLoadTracker):
             requests, tokens = tracker.process_load(load.worker_id)
             siblings.announcer.load(load.worker_id, requests, tokens)
-        if self.peers is None:
-            self.policy.observe_load(load)
-            return
-        self.peers.announcer.load(
-            load.worker_id, load.in_flight_requests, load.in_flight_prefill_tokens
-        )
-        self.policy.observe_load(self.tracker.load(load.worker_id))
+        if self.peers is not None:
+            self.peers.announcer.load(
+                load.worker_id, load.in_flight_requests, load.in_flight_prefill_tokens
+            )
+            load = self.tracker.load(load.worker_id)  # with the peers' announced load
+        self._loads_read_changed(load)
+
+    def _loads_read_changed(self, load: WorkerLoad) -> None:
+        """What selections read of a worker's load changed to ``load``."""
+        self.policy.observe_load(load)
+        if self.kept_loads is not None:
+            self.kept_loads.changed(load)
 
     def _sibling_load_changed(self, worker_id: str) -> None:
         """A sibling process's guards on ``worker_id`` changed: the policy re-reads the
@@ -221,7 +240,7 @@ class Router:
 
     def _peer_load_changed(self, worker_id: str) -> None:
         """A peer's guards changed: the policy sees the sum."""
-        self.policy.observe_load(self.tracker.load(worker_id))
+        self._loads_read_changed(self.tracker.load(worker_id))
 
     def _peer_headers(self) -> dict[str, str]:
         """Peers run with this router's settings: its control-plane key is theirs."""

@@ -14,7 +14,7 @@ import asyncio
 import contextlib
 import random
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import aiohttp
@@ -23,9 +23,10 @@ from aiohttp import web
 
 from kvserve.core.routing.policies.kv_aware import KvAwarePolicy
 from kvserve.core.routing.policy import Policy
-from kvserve.core.routing.types import RouteQuery, RoutingDecision
+from kvserve.core.routing.types import RouteQuery, RoutingDecision, WorkerLoad
 from kvserve.router.config import RouterConfig
 from kvserve.router.errors import openai_error
+from kvserve.router.kept_loads import KeptPoolLoads
 from kvserve.router.lean_request import LeanRequest, RelayedAnswer
 from kvserve.router.load_guard import Guard, LoadTracker
 from kvserve.router.metrics import RouterMetrics
@@ -81,8 +82,12 @@ class Proxy:
         clock: Callable[[], float] = time.monotonic,
         preparer: PromptPreparer | None = None,
         process: int | None = None,
+        kept_loads: KeptPoolLoads | None = None,
     ) -> None:
         self._config = config
+        # each pool's loads kept between requests (None: listed per request; see
+        # router/kept_loads.py for when a router can keep them)
+        self._kept_loads = kept_loads
         # With --processes N, answers name the process that routed them (None: one).
         self._process = None if process is None else str(process)
         self._registry = registry
@@ -142,10 +147,15 @@ class Proxy:
             workers = self._registry.accepting(now, query.pool)
         if not workers:
             return None
-        loads = [self._tracker.load(w.worker_id) for w in workers]
+        loads: Sequence[WorkerLoad]
+        if self._kept_loads is not None and not tried:
+            loads = self._kept_loads.of(query.pool, workers)
+        else:  # a retry's pool less the workers tried: listed once
+            loads = [self._tracker.load(w.worker_id) for w in workers]
         decision = self._policy.select(query, loads, now)
         self._metrics.record_decision(decision)
-        chosen = next(w for w in workers if w.worker_id == decision.worker_id)
+        chosen = self._registry.get(decision.worker_id)
+        assert chosen is not None, "a policy chooses one of the workers it is given"
         return chosen, decision
 
     async def _attempt(

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import heapq
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -111,7 +111,9 @@ class WorkerRegistry:
         self._workers: dict[str, Worker] = {}
         self._ids_by_url: dict[str, str] = {}
         self._next_index = 0
-        self._accepting: dict[str, list[Worker]] = {}  # by pool; empty: all to rebuild
+        # by pool; empty: all to rebuild. A tuple, handed out as it is: a new object
+        # whenever the pool's accepting workers change, which is what views of it key on
+        self._accepting: dict[str, tuple[Worker, ...]] = {}
         self._reopenings: list[tuple[float, str]] = []  # (open breaker's end, worker id)
 
     def add(self, url: str, pool: str = "regular", kv_events: KVEventSource = None) -> Worker:
@@ -152,8 +154,9 @@ class WorkerRegistry:
     def all(self) -> list[Worker]:
         return list(self._workers.values())
 
-    def accepting(self, now: float, pool: str, exclude: Iterable[str] = ()) -> list[Worker]:
-        """The pool's workers that take traffic at ``now``, in order of arrival."""
+    def accepting(self, now: float, pool: str, exclude: Iterable[str] = ()) -> Sequence[Worker]:
+        """The pool's workers that take traffic at ``now``, in order of arrival: without
+        ``exclude``, the kept tuple itself (the same object until the set changes)."""
         reopenings = self._reopenings
         while reopenings and reopenings[0][0] <= now:
             _, worker_id = heapq.heappop(reopenings)
@@ -162,10 +165,10 @@ class WorkerRegistry:
                 worker.breaker.allows(now)  # turns half-open if its time is up
         accepting = self._accepting.get(pool)
         if accepting is None:
-            accepting = self._accepting[pool] = [
+            accepting = self._accepting[pool] = tuple(
                 w for w in self._workers.values() if w.pool == pool and w.accepts_traffic(now)
-            ]
+            )
         skipped = set(exclude)
         if not skipped:
-            return list(accepting)
+            return accepting
         return [w for w in accepting if w.worker_id not in skipped]

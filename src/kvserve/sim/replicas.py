@@ -32,6 +32,7 @@ from collections.abc import Sequence
 from kvserve.core.routing.announcements import Announcement, Announcer, PeerView
 from kvserve.core.routing.announcing_policy import AnnouncingPolicy
 from kvserve.core.routing.policy import Policy
+from kvserve.core.routing.pool_loads import PoolLoads
 from kvserve.core.routing.types import RouteQuery, RoutingDecision, WorkerLoad
 
 
@@ -56,6 +57,8 @@ class RouterReplica:
         self.requests = dict.fromkeys(worker_ids, 0)  # own guards
         self.prefill_tokens = dict.fromkeys(worker_ids, 0)
         self._others = {w: (0, 0) for w in worker_ids}  # the others' part of the last report
+        # the view kept between decisions, as the router keeps its pools' loads
+        self._pool = PoolLoads(self._view(w) for w in worker_ids)
 
     def select(self, query: RouteQuery, now: float) -> RoutingDecision:
         """The policy's choice on this replica's view (announced, with announcements)."""
@@ -67,7 +70,7 @@ class RouterReplica:
         self.prefill_tokens[worker_id] += prefill_tokens
         if self._announcing is not None:
             self.announcer.load(worker_id, self.requests[worker_id], self.prefill_tokens[worker_id])
-        self.policy.observe_load(self._view(worker_id))
+        self._load_changed(worker_id)
 
     def announcement(self) -> Announcement | None:
         """What this replica has to announce since the last call (None: nothing)."""
@@ -90,13 +93,20 @@ class RouterReplica:
         )
         if others != self._others[worker_id]:
             self._others[worker_id] = others
-            self.policy.observe_load(self._view(worker_id))
+            self._load_changed(worker_id)
 
-    def snapshot(self) -> list[WorkerLoad]:
-        return [self._view(w) for w in self.requests]
+    def snapshot(self) -> PoolLoads:
+        """Every worker's load as this replica sees it (kept: valid until it changes)."""
+        return self._pool
 
     def _peer_load_changed(self, worker_id: str) -> None:
-        self.policy.observe_load(self._view(worker_id))
+        self._load_changed(worker_id)
+
+    def _load_changed(self, worker_id: str) -> None:
+        """The view of ``worker_id`` changed: kept, and told to the policy."""
+        load = self._view(worker_id)
+        self._pool.replace(load)
+        self.policy.observe_load(load)
 
     def _view(self, worker_id: str) -> WorkerLoad:
         other_requests, other_tokens = self._others[worker_id]

@@ -112,6 +112,7 @@ from kvserve.core.kv_events import KVEvent
 from kvserve.core.routing.future_cost import FutureCost, HolderPressure
 from kvserve.core.routing.kv_index import TIERS, KVBlockIndex, WorkerMatch
 from kvserve.core.routing.load_order import LoadOrder, load_term
+from kvserve.core.routing.pool_loads import PoolLoads, loads_by_id
 from kvserve.core.routing.tie_breaking import ReplicaSalt
 from kvserve.core.routing.types import TakeBack, WorkerLoad, sort_key_of
 
@@ -570,6 +571,8 @@ class KvAwareRouting:
             self.future = FutureCost(pressure)
         self.salt: ReplicaSalt | None = None
         self.small_fleet = SMALL_FLEET  # fleets up to this size are predicted whole
+        # the router's kept pool whose workers all have load entries (until one is forgotten)
+        self._pool_known: PoolLoads | None = None
 
     def as_replica(self, replica: str) -> None:
         """Route as the router replica named ``replica`` of several: its scores offset by
@@ -720,11 +723,14 @@ class KvAwareRouting:
     ) -> list[tuple[WorkerLoad, WorkerMatch]]:
         """The workers worth predicting, with their matches: the holders (the lightest of
         a group sharing one match) and the lightest non-holders."""
-        by_id = {w.worker_id: w for w in workers}
-        known = self.loads.known
-        if not by_id.keys() <= known:  # a subset test allocates nothing; rarely false
-            for worker_id in by_id.keys() - known:
-                self.loads.update(by_id[worker_id])
+        by_id = loads_by_id(workers)
+        if workers is not self._pool_known:  # a pool kept by the router is tested once
+            known = self.loads.known
+            if not by_id.keys() <= known:  # a subset test allocates nothing; rarely false
+                for worker_id in by_id.keys() - known:
+                    self.loads.update(by_id[worker_id])
+            if isinstance(workers, PoolLoads):
+                self._pool_known = workers
         groups = self.index.holder_groups(block_hashes, now)
         chosen = [(w, match) for w, match in groups.apart.items() if w in by_id]
         for match, members in groups.on_device:
@@ -834,3 +840,4 @@ class KvAwareRouting:
         if self.future is not None:
             self.future.forget(worker_id)
         self.loads.remove(worker_id)
+        self._pool_known = None
