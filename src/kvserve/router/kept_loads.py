@@ -1,7 +1,7 @@
 """Each pool's loads as the policy reads them, kept between requests.
 
 Listing the accepting workers' loads for every request was O(workers) on the request
-path whatever the policy reads (~185 µs at 1,000 workers); kept, a request costs nothing
+path whatever the policy reads (~185–280 µs at 1,000 workers); kept, a request costs nothing
 here and a change of load one dict write (see :mod:`kvserve.core.routing.pool_loads`).
 The view is exact only if every change of a load is told to :meth:`KeptPoolLoads.changed`:
 this router's guards and its peers' announced loads are; a sibling process's guards

@@ -2,7 +2,7 @@
 request.
 
 A policy is given the loads of the pool's accepting workers. Listing them for every
-request, one tracker read per worker, cost the real router ~185 µs a request at 1,000
+request, one tracker read per worker, cost the real router ~185–280 µs a request at 1,000
 workers, more than kv_aware's whole choice, which reads only the holders of a prefix and
 a few light workers (docs/benchmarks.md, "The router's loads kept per pool"). A
 :class:`PoolLoads` is that list kept: the router rebuilds it when the pool's accepting
