@@ -25,7 +25,7 @@ def test_a_replica_sees_its_own_guards_now_and_the_others_as_last_reported() -> 
     replica.learn_report("w0", 3, 700)  # all replicas: 2 requests and 600 tokens are others'
     replica.adjust("w0", 1, 50)
     replica.adjust("w0", 0, -100)
-    assert replica.snapshot() == [
+    assert list(replica.snapshot()) == [
         WorkerLoad("w0", 4, 50, others_prefill_tokens=600),
         WorkerLoad("w1"),
     ]
@@ -80,7 +80,7 @@ def test_a_replica_counts_its_peers_announced_load() -> None:
     announcement = a.announcement()
     assert announcement is not None
     b.deliver(announcement, 0.0)
-    assert b.snapshot() == [WorkerLoad("w0"), WorkerLoad("w1", 1, 300)]
+    assert list(b.snapshot()) == [WorkerLoad("w0"), WorkerLoad("w1", 1, 300)]
     assert b.announcement() is None  # nothing of its own to tell
 
 
