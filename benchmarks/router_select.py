@@ -32,12 +32,12 @@ import time
 from collections.abc import Callable, Sequence
 
 from kvserve.core.routing.types import WorkerLoad
+from kvserve.router.app import Router
 from kvserve.router.config import RouterConfig
-from kvserve.router.kept_loads import KeptPoolLoads
-from kvserve.router.load_guard import LoadGuard, LoadTracker
+from kvserve.router.load_guard import LoadGuard
 from kvserve.router.metrics import RouterMetrics
 from kvserve.router.proxy import Proxy
-from kvserve.router.worker_registry import Worker, WorkerRegistry
+from kvserve.router.worker_registry import Worker
 from routing_scale import Fleet
 
 PARTS = ("accepting", "loads", "policy", "_select")
@@ -53,12 +53,11 @@ class RouterUnderTest:
         config = RouterConfig(
             worker_urls=tuple(f"http://w{i}.test" for i in range(workers)), policy=policy_name
         )
-        self.registry = WorkerRegistry(config.circuit_breaker)
-        for url in config.worker_urls:
-            self.registry.add(url).healthy = True
-        self.policy = config.make_policy(0.0)
-        self.tracker = LoadTracker(on_change=self._load_changed)
-        self.kept = KeptPoolLoads(self.tracker.load) if keep else None
+        router = Router(config)  # its registry, tracker, policy and kept loads, wired
+        for worker in router.registry.all():
+            worker.healthy = True
+        self.registry, self.tracker, self.policy = router.registry, router.tracker, router.policy
+        self.kept = router.kept_loads if keep else None
         self.now = 0.0
         self.proxy = Proxy(
             config,
@@ -77,11 +76,6 @@ class RouterUnderTest:
 
     def clock(self) -> float:
         return self.now
-
-    def _load_changed(self, load: WorkerLoad) -> None:  # as the router app wires it
-        self.policy.observe_load(load)
-        if self.kept is not None:
-            self.kept.changed(load)
 
     def loads(self, pool: str, workers: Sequence[Worker]) -> Sequence[WorkerLoad]:
         if self.kept is not None:

@@ -77,8 +77,7 @@ class Fleet:
         self.rng = random.Random(seed)
         self.ids = [f"w{i}" for i in range(workers)]
         self.prompt_blocks = prompt_blocks
-        self.loads = {w: WorkerLoad(w) for w in self.ids}
-        self.pool = PoolLoads(self.loads.values())  # what the router keeps and passes
+        self.pool = PoolLoads(WorkerLoad(w) for w in self.ids)  # as the router keeps them
         # each worker: conversations of prompt_blocks - 2 blocks after the system prompt
         per_conversation = max(1, prompt_blocks - SYSTEM_BLOCKS - 2)
         self.conversations: dict[str, list[list[int]]] = {}
@@ -104,7 +103,7 @@ class Fleet:
                 first = EXTRA_FIRST_HASH + n * extra_blocks
                 extra = tuple(range(first, first + extra_blocks))
                 policy.observe_events(w, [KVEvent(2, "stored", "device", extra, None)])
-        for load in self.loads.values():
+        for load in self.pool:
             policy.observe_load(load)
 
     def query(self) -> RouteQuery:
@@ -122,18 +121,19 @@ class Fleet:
         )
 
     def move_loads(self, chosen: str, tokens: int, observe: Callable[[WorkerLoad], None]) -> None:
-        load = self.loads[chosen]
-        self.loads[chosen] = WorkerLoad(
-            chosen, load.in_flight_requests + 1, load.in_flight_prefill_tokens + tokens
+        load = self.pool.by_id[chosen]
+        self._moved(
+            WorkerLoad(chosen, load.in_flight_requests + 1, load.in_flight_prefill_tokens + tokens),
+            observe,
         )
-        observe(self.loads[chosen])
-        self.pool.replace(self.loads[chosen])
         done = self.rng.choice(self.ids)
-        load = self.loads[done]
+        load = self.pool.by_id[done]
         if load.in_flight_requests:
-            self.loads[done] = WorkerLoad(done, load.in_flight_requests - 1, 0)
-            observe(self.loads[done])
-            self.pool.replace(self.loads[done])
+            self._moved(WorkerLoad(done, load.in_flight_requests - 1, 0), observe)
+
+    def _moved(self, load: WorkerLoad, observe: Callable[[WorkerLoad], None]) -> None:
+        self.pool.replace(load)
+        observe(load)
 
 
 def decision_times(

@@ -449,7 +449,7 @@ class Simulation:
         """The router's pair choice and guards, then the decode worker's reservation."""
         replica = self.replicas[0]
         query = route_query(spec, request, replica.policy.reads_prompt_blocks)
-        loads = {load.worker_id: load for load in replica.snapshot()}
+        loads = replica.snapshot().by_id
         decodes = [
             dataclasses.replace(loads[w], kv_free_fraction=self._headroom(w))
             for w in self._decode_ids
