@@ -20,7 +20,8 @@ from kvserve.core.routing.tie_breaking import ReplicaSalt
 from kvserve.core.routing.types import WorkerLoad
 
 BLOCK = 16
-SPREAD = KvAwareConfig(replica_spread_s=0.02)
+# every decision salted (no burst window): these tests are of the salt itself
+SPREAD = KvAwareConfig(replica_spread_s=0.02, replica_burst_window_s=0.0)
 REPLICAS = [f"r{i}" for i in range(8)]
 
 

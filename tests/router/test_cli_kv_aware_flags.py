@@ -16,6 +16,7 @@ from kvserve.cli import app
         ("--kv-aware-retention-margin", "-0.5", "retention margin must be >= 0"),
         ("--kv-aware-retention-window", "0", "retention window must be > 0"),
         ("--kv-aware-replica-spread", "-0.01", "replica_spread_s must be >= 0"),
+        ("--kv-aware-replica-burst-window", "-1", "replica_burst_window_s must be >= 0"),
     ],
 )
 def test_a_bad_kv_aware_parameter_is_a_usage_error(flag: str, value: str, reason: str) -> None:
@@ -36,5 +37,6 @@ def test_help_lists_the_future_cost_flags() -> None:
         "--kv-aware-retention-margin",
         "--kv-aware-retention-window",
         "--kv-aware-replica-spread",
+        "--kv-aware-replica-burst-window",
     ):
         assert flag in result.output

@@ -10,6 +10,7 @@ from kvserve.core.routing.types import WorkerLoad
 from kvserve.sim.replicas import RouterReplica
 from kvserve.sim.report import summarize
 from kvserve.sim.simulator import SimConfig, Simulation, simulate
+from kvserve.sim.trace import TraceRequest
 from tests.sim.test_simulator import config, conversations
 
 
@@ -92,8 +93,14 @@ def test_one_router_is_untouched_by_the_replica_salt() -> None:
     assert salted.records == plain.records
 
 
-def test_simulated_replicas_salt_their_choices_by_name() -> None:
-    trace = conversations(num=30, turns=4, gap_s=0.05, seed=3)
+def in_buckets(trace: list[TraceRequest], bucket_s: float) -> list[TraceRequest]:
+    """``trace`` with each arrival stamped down to a multiple of ``bucket_s`` (as the
+    Mooncake traces stamp theirs): bursts of requests at one instant."""
+    return [dataclasses.replace(r, arrival_s=r.arrival_s // bucket_s * bucket_s) for r in trace]
+
+
+def test_simulated_replicas_salt_their_choices_by_name_in_bursts() -> None:
+    trace = in_buckets(conversations(num=30, turns=4, gap_s=0.05, seed=3), 0.05)
     at_once = dataclasses.replace(config(), router_replicas=4, announce_delay_s=0.0)
     salted = Simulation("kv_aware", at_once)
     names = []
@@ -104,3 +111,16 @@ def test_simulated_replicas_salt_their_choices_by_name() -> None:
     assert names == ["r0", "r1", "r2", "r3"]
     plain = simulate(trace, "kv_aware", unsalted(at_once))
     assert [r.worker_id for r in salted.run(trace).records] != [r.worker_id for r in plain.records]
+
+
+def test_simulated_replicas_leave_spread_arrivals_unsalted() -> None:
+    """Arrivals a few milliseconds apart per replica (over the 2 ms burst window): every
+    choice is the unsalted one; with no window (every decision salted) they differ."""
+    trace = conversations(num=30, turns=4, gap_s=0.05, seed=3)
+    at_once = dataclasses.replace(config(), router_replicas=4, announce_delay_s=0.0)
+    plain = [r.worker_id for r in simulate(trace, "kv_aware", unsalted(at_once)).records]
+    gated = simulate(trace, "kv_aware", at_once)
+    assert [r.worker_id for r in gated.records] == plain
+    always = dataclasses.replace(at_once.kv_aware, replica_burst_window_s=0.0)
+    salted = simulate(trace, "kv_aware", dataclasses.replace(at_once, kv_aware=always))
+    assert [r.worker_id for r in salted.records] != plain

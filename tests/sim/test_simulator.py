@@ -227,14 +227,19 @@ def test_cli_takes_kv_aware_retention_parameters_and_refuses_bad_ones() -> None:
     assert refused.returncode != 0 and "retention window must be > 0" in refused.stderr
 
 
-def test_cli_takes_the_kv_aware_replica_spread_and_refuses_a_negative_one() -> None:
+def test_cli_takes_the_kv_aware_replica_salt_flags_and_refuses_negative_ones() -> None:
     args = ["--workers", "2", "--cache-tokens", "100000", "--policy", "kv_aware"]
     args += ["--profile", "tiny", "--json", "--router-replicas", "2"]
-    completed = run_simulate(*args, "--kv-aware-replica-spread", "0.05")
+    salt = ("--kv-aware-replica-spread", "0.05", "--kv-aware-replica-burst-window", "0.01")
+    completed = run_simulate(*args, *salt)
     assert completed.returncode == 0, completed.stderr
     assert json.loads(completed.stdout)[0]["requests"] == 6
-    refused = run_simulate(*args, "--kv-aware-replica-spread", "-1")
-    assert refused.returncode != 0 and "replica_spread_s must be >= 0" in refused.stderr
+    for flag, field in (
+        ("--kv-aware-replica-spread", "replica_spread_s"),
+        ("--kv-aware-replica-burst-window", "replica_burst_window_s"),
+    ):
+        refused = run_simulate(*args, flag, "-1")
+        assert refused.returncode != 0 and f"{field} must be >= 0" in refused.stderr
 
 
 def test_goodput_is_the_share_of_all_requests_meeting_the_slo() -> None:

@@ -193,6 +193,14 @@ def register(app: typer.Typer) -> None:
                 "choices differ across replicas (default: the policy's own; 0: none)."
             ),
         ] = None,
+        kv_aware_replica_burst_window: Annotated[
+            float | None,
+            _tuning(
+                "kv_aware with --peers or several processes: the salt applies only while "
+                "at least half of this replica's last gaps between requests are under this "
+                "many seconds (default: the policy's own; 0: every decision salted)."
+            ),
+        ] = None,
         kv_aware_retention_margin: Annotated[
             float | None,
             _tuning(
@@ -262,6 +270,9 @@ def register(app: typer.Typer) -> None:
                     replica_spread_s=default_costs.replica_spread_s
                     if kv_aware_replica_spread is None
                     else kv_aware_replica_spread,
+                    replica_burst_window_s=default_costs.replica_burst_window_s
+                    if kv_aware_replica_burst_window is None
+                    else kv_aware_replica_burst_window,
                     home_weight=default_costs.home_weight
                     if kv_aware_home_weight is None
                     else kv_aware_home_weight,

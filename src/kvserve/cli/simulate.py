@@ -147,6 +147,14 @@ def register(app: typer.Typer) -> None:
                 "choices differ across replicas (default: the policy's own; 0: none)."
             ),
         ] = None,
+        kv_aware_replica_burst_window: Annotated[
+            float | None,
+            typer.Option(
+                help="kv_aware with router replicas: the salt applies only while at least "
+                "half of a replica's last gaps between requests are under this many "
+                "seconds (default: the policy's own; 0: every decision salted)."
+            ),
+        ] = None,
         kv_aware_recompute_weight: Annotated[
             float | None,
             typer.Option(
@@ -242,6 +250,8 @@ def register(app: typer.Typer) -> None:
             kv_aware_overrides["retention_window_s"] = kv_aware_retention_window
         if kv_aware_replica_spread is not None:
             kv_aware_overrides["replica_spread_s"] = kv_aware_replica_spread
+        if kv_aware_replica_burst_window is not None:
+            kv_aware_overrides["replica_burst_window_s"] = kv_aware_replica_burst_window
         try:
             cost = cost_profile(profile)
             config = SimConfig(

@@ -109,6 +109,7 @@ import xxhash
 
 from kvserve.core.cost_model import CostModel
 from kvserve.core.kv_events import KVEvent
+from kvserve.core.routing.arrival_bursts import ArrivalBursts
 from kvserve.core.routing.future_cost import FutureCost, HolderPressure
 from kvserve.core.routing.kv_index import TIERS, KVBlockIndex, WorkerMatch
 from kvserve.core.routing.load_order import LoadOrder, load_term
@@ -190,6 +191,12 @@ class KvAwareConfig:
     # :class:`~kvserve.core.routing.tie_breaking.ReplicaSalt`; the value by measurement,
     # docs/benchmarks.md "Router replicas announcing their routing"). One router: unused.
     replica_spread_s: float = 0.05
+    # ... and only while the replica's own requests arrive in bursts: at least half of
+    # its last gaps under this many seconds (see
+    # :class:`~kvserve.core.routing.arrival_bursts.ArrivalBursts`; 0: every decision
+    # salted). A few loopback announcement delays: a peer's choice made further apart
+    # has been heard.
+    replica_burst_window_s: float = 0.002
     # Seconds of score per second of a candidate's load, times the share of the prompt it
     # would compute: a choice that computes most of a prompt makes the worker that prefix's
     # home, where the requests extending it (a conversation's next turns) follow and meet
@@ -213,6 +220,8 @@ class KvAwareConfig:
             raise ValueError("recompute_weight must be >= 0")
         if self.replica_spread_s < 0:
             raise ValueError("replica_spread_s must be >= 0")
+        if self.replica_burst_window_s < 0:
+            raise ValueError("replica_burst_window_s must be >= 0")
         if self.home_weight < 0:
             raise ValueError("home_weight must be >= 0")
         HolderPressure(self.retention_margin, self.retention_window_s)  # validates
@@ -570,6 +579,8 @@ class KvAwareRouting:
             pressure = HolderPressure(config.retention_margin, config.retention_window_s)
             self.future = FutureCost(pressure)
         self.salt: ReplicaSalt | None = None
+        # when the salt applies (None: always, where there is one)
+        self.bursts: ArrivalBursts | None = None
         self.small_fleet = SMALL_FLEET  # fleets up to this size are predicted whole
         # the router's kept pool whose workers all have load entries (until one is forgotten)
         self._pool_known: PoolLoads | None = None
@@ -577,8 +588,15 @@ class KvAwareRouting:
     def as_replica(self, replica: str) -> None:
         """Route as the router replica named ``replica`` of several: its scores offset by
         its :class:`ReplicaSalt` (none with a ``replica_spread_s`` of 0)."""
-        spread_s = self.config.replica_spread_s
+        spread_s, window_s = self.config.replica_spread_s, self.config.replica_burst_window_s
         self.salt = ReplicaSalt(replica, spread_s) if spread_s else None
+        self.bursts = ArrivalBursts(window_s) if spread_s and window_s else None
+
+    def arrived(self, now: float) -> None:
+        """A request reached this router at ``now``: once per request, before choosing
+        (a PD pair's two choices are one arrival)."""
+        if self.bursts is not None:
+            self.bursts.arrived(now)
 
     def select(
         self,
@@ -590,6 +608,7 @@ class KvAwareRouting:
     ) -> KvAwareChoice:
         """Select for a request whose reusable full blocks hash to ``block_hashes``, then
         expect its prefill on the chosen worker."""
+        self.arrived(now)
         choice = self.best(workers, block_hashes, prompt_tokens, block_size, now)
         self.expect_prefill(choice, block_hashes, prompt_tokens, now)
         return choice
@@ -608,26 +627,30 @@ class KvAwareRouting:
         module docstring); a worker not seen before is learnt from ``workers``. A fleet
         of up to ``small_fleet`` workers (``SMALL_WEIGHTED_FLEET`` with a weight,
         ``SMALL_SALTED_FLEET`` with a replica's salt) is predicted whole: the reference
-        rule, cheaper there than finding the few worth predicting.
+        rule, cheaper there than finding the few worth predicting. A replica's salt
+        applies only while its requests arrive in bursts (:attr:`bursts`).
         """
         tie_key = block_hashes[-1] if block_hashes else prompt_tokens
         config = self.config
         weighted = bool(config.recompute_weight or config.home_weight)
+        salt = self.salt
+        if salt is not None and self.bursts is not None and not self.bursts.bursting:
+            salt = None
         whole = self.small_fleet
         if weighted:
             whole = min(whole, SMALL_WEIGHTED_FLEET)
-        elif self.salt is not None:
+        elif salt is not None:
             whole = min(whole, SMALL_SALTED_FLEET)
         if len(workers) <= whole:
             fleet = self._whole_fleet(workers, block_hashes, prompt_tokens, block_size, now)
-            if not weighted and self.salt is None:
+            if not weighted and salt is None:
                 return _choose_whole(fleet, tie_key)
             scored = fleet.scored()
         else:
-            candidates = self._candidates(workers, block_hashes, now, tie_key)
+            candidates = self._candidates(workers, block_hashes, now, tie_key, salt is not None)
             scored = self._score(candidates, prompt_tokens, block_size, now)
         weight = self._weight(scored, block_size, prompt_tokens, now)
-        return _choose(scored, tie_key, prompt_tokens, self.config, weight, self.salt)
+        return _choose(scored, tie_key, prompt_tokens, self.config, weight, salt)
 
     def _score(
         self,
@@ -719,10 +742,16 @@ class KvAwareRouting:
         return _WholeFleet(groups, apart)
 
     def _candidates(
-        self, workers: Sequence[WorkerLoad], block_hashes: Sequence[int], now: float, tie_key: int
+        self,
+        workers: Sequence[WorkerLoad],
+        block_hashes: Sequence[int],
+        now: float,
+        tie_key: int,
+        salted: bool,
     ) -> list[tuple[WorkerLoad, WorkerMatch]]:
         """The workers worth predicting, with their matches: the holders (the lightest of
-        a group sharing one match) and the lightest non-holders."""
+        a group sharing one match) and the lightest non-holders (more of them where the
+        choice is ``salted``)."""
         by_id = loads_by_id(workers)
         if workers is not self._pool_known:  # a pool kept by the router is tested once
             known = self.loads.known
@@ -735,7 +764,7 @@ class KvAwareRouting:
         chosen = [(w, match) for w, match in groups.apart.items() if w in by_id]
         for match, members in groups.on_device:
             chosen += [(w, match) for w in self._lightest_holders(members, by_id, now, tie_key)]
-        lightest = self._lightest_loads(by_id, groups.every, now, tie_key)
+        lightest = self._lightest_loads(by_id, groups.every, now, tie_key, salted)
         chosen += [(w, _NO_MATCH) for w in lightest]
         return [(by_id[w], match) for w, match in chosen]
 
@@ -745,12 +774,13 @@ class KvAwareRouting:
         holders: Container[str],
         now: float,
         tie_key: int,
+        salted: bool,
     ) -> set[str]:
-        """The non-holders worth predicting: the lightest; with a replica's salt, the
+        """The non-holders worth predicting: the lightest; for a ``salted`` choice, the
         lightest few (``SALTED_LOAD_ROUNDS`` walks of the orders), among which the salt
         can pick another than its peers' lightest."""
         found = self.loads.lightest(by_id, holders, now, tie_key)
-        if self.salt is None:
+        if not salted:
             return found
         for _ in range(SALTED_LOAD_ROUNDS - 1):
             more = self.loads.lightest(by_id, _Either(holders, found), now, tie_key)

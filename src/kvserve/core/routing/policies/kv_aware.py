@@ -61,6 +61,7 @@ class KvAwarePolicy(Policy):
             chosen = least_loaded(workers, self._rotations[query.pool])
             return RoutingDecision(chosen.worker_id, self.name, "no_tokenizer")
         hashes, tokens = blocks.reusable_hashes, blocks.num_tokens
+        self.routing.arrived(now)
         choice = self.routing.best(workers, hashes, tokens, blocks.block_size, now)
         take_back = self.routing.expect_prefill(choice, hashes, tokens, now)
         matched = _matched(choice, tokens)
@@ -78,6 +79,7 @@ class KvAwarePolicy(Policy):
         if blocks is None:
             return super().select_pair(query, decodes, prefills, now, pd)
         hashes, tokens = blocks.reusable_hashes, blocks.num_tokens
+        self.routing.arrived(now)
         decode = self.routing.best(with_room(decodes), hashes, tokens, blocks.block_size, now)
         cached = decode.prediction.cached_tokens
         local = local_prefill_reason(tokens, cached, bool(prefills), pd)
