@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from kvserve.core.routing.announcements import ChoiceNote
 from kvserve.core.routing.arrival_bursts import RECENT_GAPS, ArrivalBursts
 from kvserve.core.routing.kv_aware import KvAwareConfig, KvAwareRouting
 from kvserve.core.routing.pd_pair import PDConfig
@@ -96,4 +97,26 @@ def test_a_policy_counts_each_request_once_a_pair_too() -> None:
         assert not bursts.bursting
     for _ in range(5):  # five requests at one instant: half of the last 8 gaps short
         policy.select(query, workers, now=10.0)
+    assert bursts.bursting
+
+
+def test_peers_choices_count_as_arrivals_a_pairs_decode_side_not() -> None:
+    """A burst split over the replicas: each gets one request of it, a long gap after
+    its last, but hears its peers' shares of the burst announced."""
+    policy = KvAwarePolicy(KvAwareConfig(replica_burst_window_s=WINDOW))
+    policy.as_replica("r0")
+    bursts = policy.routing.bursts
+    assert bursts is not None
+    workers = [WorkerLoad("w0"), WorkerLoad("w1")]
+    for n in range(4):  # its own requests, a second apart: no burst
+        query = RouteQuery("", blocks=PromptBlocks(3 * BLOCK, [n * 10 + 1], BLOCK))
+        policy.select(query, workers, now=float(n))
+    seq = 0
+    for _ in range(8):  # a pair's decode side, announced at one instant: not requests
+        seq += 1
+        policy.observe_peer_choice(ChoiceNote(seq, "w1", (5,), BLOCK, 0, computes=False), 3.0)
+    assert not bursts.bursting
+    for _ in range(4):  # the peers' shares of a burst, announced at one instant
+        seq += 1
+        policy.observe_peer_choice(ChoiceNote(seq, "w1", (5,), BLOCK, 0), 3.0005)
     assert bursts.bursting

@@ -114,9 +114,10 @@ def test_simulated_replicas_salt_their_choices_by_name_in_bursts() -> None:
 
 
 def test_simulated_replicas_leave_spread_arrivals_unsalted() -> None:
-    """Arrivals a few milliseconds apart per replica (over the 2 ms burst window): every
-    choice is the unsalted one; with no window (every decision salted) they differ."""
-    trace = conversations(num=30, turns=4, gap_s=0.05, seed=3)
+    """Arrivals ~17 ms apart over the fleet (its replicas' own and announced ones, well
+    over the 2 ms burst window): every choice is the unsalted one; with no window (every
+    decision salted) they differ."""
+    trace = conversations(num=30, turns=4, gap_s=0.5, seed=3)
     at_once = dataclasses.replace(config(), router_replicas=4, announce_delay_s=0.0)
     plain = [r.worker_id for r in simulate(trace, "kv_aware", unsalted(at_once)).records]
     gated = simulate(trace, "kv_aware", at_once)

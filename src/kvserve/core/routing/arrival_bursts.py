@@ -1,4 +1,4 @@
-"""Whether a router replica's own requests are arriving in bursts.
+"""Whether the requests a router replica knows of are arriving in bursts.
 
 A replica's salt (:class:`~kvserve.core.routing.tie_breaking.ReplicaSalt`) breaks herds:
 requests reaching several replicas within one announcement delay are each routed
@@ -6,21 +6,22 @@ without the others' choices, to the same best worker. It has a price where there
 herd to break: a salted choice may leave the deepest holder for a near-equal worker
 (measured with arrivals spread as a real stream's are, 10 workers, 4 replicas: hit rate
 5.8 % below one router's salted, level unsalted; docs/benchmarks.md, "Salting only
-bursts"). A replica cannot see its peers' arrivals, but it sees its own: when most of its
-recent requests came within ``window_s`` of the one before, the traffic comes in
-bursts, and its peers are taking the same burst.
+bursts"). A replica knows of its own requests as they arrive and of its peers' as their
+choices are announced: when most of the recent ones came within ``window_s`` of the one
+before, the traffic comes in bursts, and its peers are taking the same burst.
 """
 
 from __future__ import annotations
 
 from collections import deque
 
-RECENT_GAPS = 8  # the gaps between a replica's last requests that are looked at
+RECENT_GAPS = 8  # how many of the latest gaps between arrivals are looked at
 
 
 class ArrivalBursts:
-    """The gaps between a replica's last :data:`RECENT_GAPS` arrivals; ``bursting`` when
-    at least half of them are under ``window_s`` (never before a second arrival)."""
+    """The gaps between the last :data:`RECENT_GAPS` arrivals a replica knows of (its own
+    and its peers' announced); ``bursting`` when at least half of them are under
+    ``window_s`` (never before a second arrival)."""
 
     __slots__ = ("_gaps", "_last", "_short", "window_s")
 
@@ -33,7 +34,7 @@ class ArrivalBursts:
         self._last: float | None = None
 
     def arrived(self, now: float) -> None:
-        """A request reached this replica at ``now`` (the decision's clock)."""
+        """A request reached this replica, or a peer's choice was heard, at ``now``."""
         if self._last is not None:
             gaps = self._gaps
             if len(gaps) == RECENT_GAPS:

@@ -191,11 +191,11 @@ class KvAwareConfig:
     # :class:`~kvserve.core.routing.tie_breaking.ReplicaSalt`; the value by measurement,
     # docs/benchmarks.md "Router replicas announcing their routing"). One router: unused.
     replica_spread_s: float = 0.05
-    # ... and only while the replica's own requests arrive in bursts: at least half of
-    # its last gaps under this many seconds (see
-    # :class:`~kvserve.core.routing.arrival_bursts.ArrivalBursts`; 0: every decision
-    # salted). A few loopback announcement delays: a peer's choice made further apart
-    # has been heard.
+    # ... and only while requests arrive in bursts: at least half of the last gaps
+    # between those the replica knows of (its own, its peers' announced) under this many
+    # seconds (see :class:`~kvserve.core.routing.arrival_bursts.ArrivalBursts`; 0: every
+    # decision salted). A few loopback announcement delays: a peer's choice made further
+    # apart has been heard.
     replica_burst_window_s: float = 0.002
     # Seconds of score per second of a candidate's load, times the share of the prompt it
     # would compute: a choice that computes most of a prompt makes the worker that prefix's
@@ -593,8 +593,8 @@ class KvAwareRouting:
         self.bursts = ArrivalBursts(window_s) if spread_s and window_s else None
 
     def arrived(self, now: float) -> None:
-        """A request reached this router at ``now``: once per request, before choosing
-        (a PD pair's two choices are one arrival)."""
+        """A request reached this router at ``now`` (once per request, before choosing: a
+        PD pair's two choices are one arrival), or a peer replica's choice was heard."""
         if self.bursts is not None:
             self.bursts.arrived(now)
 

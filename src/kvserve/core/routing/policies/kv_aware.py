@@ -117,9 +117,13 @@ class KvAwarePolicy(Policy):
     def observe_peer_choice(self, choice: ChoiceNote, now: float) -> TakeBack:
         """A peer replica's choice, recorded as this policy records its own: the prefill
         queued on the worker, the prompt's blocks speculated there (only the blocks on a
-        PD decode worker, which its prefill worker computes)."""
+        PD decode worker, which its prefill worker computes). A choice that computes
+        is a request reaching the fleet: counted with this replica's own arrivals (a
+        burst split over the replicas shows in their announcements; a pair's decode
+        side is the same request, not counted twice)."""
         if not choice.computes:
             return self.routing.expect_blocks(choice.worker_id, choice.block_hashes, now)
+        self.routing.arrived(now)
         predicted = Prediction(WorkerLoad(choice.worker_id), choice.cached_tokens, 0.0)
         return self.routing.expect_prefill(
             KvAwareChoice(predicted, "peer"), choice.block_hashes, choice.prompt_tokens, now
