@@ -188,17 +188,19 @@ def register(app: typer.Typer) -> None:
         kv_aware_replica_spread: Annotated[
             float | None,
             _tuning(
-                "kv_aware with --peers or several processes: seconds of score each replica "
-                "adds per worker at most, fixed per (replica, worker), so that near-equal "
-                "choices differ across replicas (default: the policy's own; 0: none)."
+                "kv_aware with --peers (not between --processes siblings): seconds of "
+                "score each replica adds per worker at most, fixed per (replica, worker), "
+                "so that near-equal choices differ across replicas (default: the policy's "
+                "own; 0: none)."
             ),
         ] = None,
         kv_aware_replica_burst_window: Annotated[
             float | None,
             _tuning(
-                "kv_aware with --peers or several processes: the salt applies only while "
-                "at least half of this replica's last gaps between requests are under this "
-                "many seconds (default: the policy's own; 0: every decision salted)."
+                "kv_aware with --peers: the salt applies only while at least half of the "
+                "last gaps between the requests this replica knows of (its own, its peers' "
+                "announced) are under this many seconds (default: the policy's own; 0: "
+                "every decision salted)."
             ),
         ] = None,
         kv_aware_retention_margin: Annotated[

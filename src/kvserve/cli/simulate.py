@@ -151,8 +151,9 @@ def register(app: typer.Typer) -> None:
             float | None,
             typer.Option(
                 help="kv_aware with router replicas: the salt applies only while at least "
-                "half of a replica's last gaps between requests are under this many "
-                "seconds (default: the policy's own; 0: every decision salted)."
+                "half of the last gaps between the requests a replica knows of (its own, "
+                "its peers' announced) are under this many seconds (default: the "
+                "policy's own; 0: every decision salted)."
             ),
         ] = None,
         kv_aware_recompute_weight: Annotated[

@@ -598,6 +598,12 @@ class KvAwareRouting:
         if self.bursts is not None:
             self.bursts.arrived(now)
 
+    def _salt_now(self) -> ReplicaSalt | None:
+        """The salt this decision adds: a replica's, while requests come in bursts."""
+        if self.bursts is not None and not self.bursts.bursting:
+            return None
+        return self.salt
+
     def select(
         self,
         workers: Sequence[WorkerLoad],
@@ -633,9 +639,7 @@ class KvAwareRouting:
         tie_key = block_hashes[-1] if block_hashes else prompt_tokens
         config = self.config
         weighted = bool(config.recompute_weight or config.home_weight)
-        salt = self.salt
-        if salt is not None and self.bursts is not None and not self.bursts.bursting:
-            salt = None
+        salt = self._salt_now()
         whole = self.small_fleet
         if weighted:
             whole = min(whole, SMALL_WEIGHTED_FLEET)
