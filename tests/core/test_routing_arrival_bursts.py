@@ -62,7 +62,7 @@ def choose_on_idle_pair(name: str, arrivals: list[float]) -> str:
     """A replica's choice between two idle workers (a tie: only its salt breaks it
     its own way) after requests arrived at ``arrivals``."""
     routing = KvAwareRouting(KvAwareConfig(replica_spread_s=0.02, replica_burst_window_s=WINDOW))
-    routing.as_replica(name)
+    routing.as_replica(name, 0)
     for now in arrivals:
         routing.arrived(now)
     loads = [WorkerLoad("w0"), WorkerLoad("w1")]
@@ -84,7 +84,7 @@ def test_a_policy_counts_each_request_once_a_pair_too() -> None:
     """Requests a second apart are no burst, though a remote PD pair asks for two
     choices at one instant (decode, then prefill): one arrival per request."""
     policy = KvAwarePolicy(KvAwareConfig(replica_burst_window_s=WINDOW))
-    policy.as_replica("r0")
+    policy.as_replica("r1", 1)  # a rank that takes turns: the gate is kept
     bursts = policy.routing.bursts
     assert bursts is not None
     workers = [WorkerLoad("d0"), WorkerLoad("d1")]
@@ -104,7 +104,7 @@ def test_peers_choices_count_as_arrivals_a_pairs_decode_side_not() -> None:
     """A burst split over the replicas: each gets one request of it, a long gap after
     its last, but hears its peers' shares of the burst announced."""
     policy = KvAwarePolicy(KvAwareConfig(replica_burst_window_s=WINDOW))
-    policy.as_replica("r0")
+    policy.as_replica("r1", 1)  # a rank that takes turns: the gate is kept
     bursts = policy.routing.bursts
     assert bursts is not None
     workers = [WorkerLoad("w0"), WorkerLoad("w1")]
@@ -120,3 +120,32 @@ def test_peers_choices_count_as_arrivals_a_pairs_decode_side_not() -> None:
         seq += 1
         policy.observe_peer_choice(ChoiceNote(seq, "w1", (5,), BLOCK, 0), 3.0005)
     assert bursts.bursting
+
+
+def test_a_replica_defers_by_its_rank_in_bursts_only() -> None:
+    """Rank r waits r staggers from a request's arrival while arrivals come in bursts;
+    rank 0, a stream spread in time, and a stagger of 0 wait for nothing."""
+    stagger = 0.001
+    config = KvAwareConfig(replica_stagger_s=stagger, replica_burst_window_s=WINDOW)
+    ranks = [KvAwareRouting(config) for _ in range(3)]
+    for rank, routing in enumerate(ranks):
+        routing.as_replica(f"r{rank}", rank)
+        for now in (0.0, 0.5, 1.0):  # spread: no burst
+            routing.arrived(now)
+        assert routing.decision_delay(1.0) == 0.0
+        for _ in range(8):  # eight at one instant: a burst
+            routing.arrived(2.0)
+        assert routing.decision_delay(2.0) == rank * stagger
+    still = KvAwareRouting(KvAwareConfig(replica_stagger_s=0.0))
+    still.as_replica("r2", 2)
+    assert still.bursts is None and still.decision_delay(0.0) == 0.0
+    always = KvAwareRouting(KvAwareConfig(replica_stagger_s=stagger, replica_burst_window_s=0))
+    always.as_replica("r2", 2)
+    assert always.decision_delay(0.0) == 2 * stagger
+    with pytest.raises(ValueError, match="replica_stagger_s"):
+        KvAwareConfig(replica_stagger_s=-0.001)
+
+
+def test_a_lone_router_never_defers() -> None:
+    policy = KvAwarePolicy(KvAwareConfig(replica_burst_window_s=0))
+    assert policy.decision_delay(0.0) == 0.0

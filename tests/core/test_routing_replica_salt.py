@@ -71,7 +71,7 @@ def test_without_spread_replicas_choose_as_each_other_and_as_one_router(seed: in
     one = route_requests(routing_on(config, events, loads), loads, seed)
     for name in ("r0", "r1"):
         replica = routing_on(config, events, loads)
-        replica.as_replica(name)
+        replica.as_replica(name, 0)
         assert replica.salt is None
         assert route_requests(replica, loads, seed) == one
 
@@ -91,7 +91,7 @@ def test_replicas_fed_the_same_events_and_loads_choose_the_same_by_name(seed: in
     runs = []
     for _ in range(2):
         replica = routing_on(SPREAD, events, loads)
-        replica.as_replica("r3")
+        replica.as_replica("r3", 0)
         runs.append(route_requests(replica, loads, seed))
     assert runs[0] == runs[1]
 
@@ -99,7 +99,7 @@ def test_replicas_fed_the_same_events_and_loads_choose_the_same_by_name(seed: in
 def choose_on_idle_pair(name: str | None, config: KvAwareConfig) -> KvAwareChoice:
     routing = KvAwareRouting(config)
     if name is not None:
-        routing.as_replica(name)
+        routing.as_replica(name, 0)
     loads = [WorkerLoad("w0"), WorkerLoad("w1")]
     return routing.best(loads, [7, 8, 9], 3 * BLOCK, BLOCK, now=0.0)
 
@@ -126,7 +126,7 @@ def test_a_win_by_more_than_the_spread_stands_on_every_replica(size: int) -> Non
     prompt = list(range(1, 41))  # 640 tokens: the holder saves far more than 20 ms
     for name in REPLICAS:
         routing = KvAwareRouting(SPREAD)
-        routing.as_replica(name)
+        routing.as_replica(name, 0)
         routing.index.apply("w1", KVEvent(1, "stored", "device", tuple(prompt), None))
         loads = [WorkerLoad(f"w{i}") for i in range(size)]
         choice = routing.best(loads, prompt, 40 * BLOCK + 3, BLOCK, now=0.0)
@@ -141,7 +141,7 @@ def test_a_replica_looks_past_the_single_lightest_for_its_salt(size: int) -> Non
     chosen = set()
     for name in REPLICAS:
         routing = KvAwareRouting(SPREAD)
-        routing.as_replica(name)
+        routing.as_replica(name, 0)
         for load in loads:
             routing.loads.update(load)
         chosen.add(routing.best(loads, [5], BLOCK, BLOCK, now=0.0).worker_id)
@@ -162,7 +162,7 @@ def test_a_salted_decision_past_its_bound_predicts_candidates_not_the_fleet() ->
     """Walking the load orders for a salt's candidates costs more than predicting a small
     fleet whole, less past ``SMALL_SALTED_FLEET`` workers; the bound picks the path."""
     routing = KvAwareRouting(SPREAD)
-    routing.as_replica("r0")
+    routing.as_replica("r0", 0)
     whole_fleets = []
     real_whole_fleet = routing._whole_fleet
 

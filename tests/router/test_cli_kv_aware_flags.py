@@ -17,6 +17,7 @@ from kvserve.cli import app
         ("--kv-aware-retention-window", "0", "retention window must be > 0"),
         ("--kv-aware-replica-spread", "-0.01", "replica_spread_s must be >= 0"),
         ("--kv-aware-replica-burst-window", "-1", "replica_burst_window_s must be >= 0"),
+        ("--kv-aware-replica-stagger", "-1", "replica_stagger_s must be >= 0"),
     ],
 )
 def test_a_bad_kv_aware_parameter_is_a_usage_error(flag: str, value: str, reason: str) -> None:
@@ -38,5 +39,6 @@ def test_help_lists_the_future_cost_flags() -> None:
         "--kv-aware-retention-window",
         "--kv-aware-replica-spread",
         "--kv-aware-replica-burst-window",
+        "--kv-aware-replica-stagger",
     ):
         assert flag in result.output

@@ -12,6 +12,7 @@ import orjson
 import pytest
 
 from kvserve.core.routing.announcements import Announcement, ChoiceNote, LoadNote, PeerView
+from kvserve.core.routing.kv_aware import KvAwareConfig
 from kvserve.core.routing.policies.kv_aware import KvAwarePolicy
 from kvserve.router.app import Router
 from kvserve.router.config import RouterConfig
@@ -84,11 +85,40 @@ def test_a_silent_peers_load_is_dropped() -> None:
     assert peer.view.origins() == []
 
 
-def test_a_kv_aware_router_with_peers_salts_its_choices_by_its_address() -> None:
+def test_a_kv_aware_router_with_peers_takes_its_rank_and_salt_by_its_address() -> None:
     settings = RouterConfig(worker_urls=tuple(URLS.values()), policy="kv_aware", port=8123)
     alone = Router(settings).policy
-    assert isinstance(alone, KvAwarePolicy) and alone.routing.salt is None
-    peers = ("http://127.0.0.1:8124",)
+    assert isinstance(alone, KvAwarePolicy)
+    assert alone.routing.salt is None and alone.routing.rank == 0
+    peers = ("http://127.0.0.1:10000", "http://127.0.0.1:8122")  # ports compare as numbers
     replica = Router(dataclasses.replace(settings, peer_urls=peers)).policy
-    assert isinstance(replica, KvAwarePolicy) and replica.routing.salt is not None
-    assert replica.routing.salt.replica == "127.0.0.1:8123/0"
+    assert isinstance(replica, KvAwarePolicy)
+    assert replica.routing.rank == 1 and replica.routing.salt is None  # no salt by default
+    salting = dataclasses.replace(
+        settings, peer_urls=peers, kv_aware=KvAwareConfig(replica_spread_s=0.05)
+    )
+    salted = Router(salting).policy
+    assert isinstance(salted, KvAwarePolicy) and salted.routing.salt is not None
+    assert salted.routing.salt.replica == "127.0.0.1:8123/0"
+
+
+def test_replicas_rank_themselves_by_host_then_port() -> None:
+    ports = (8001, 8000, 8002)
+    urls = [f"http://127.0.0.1:{port}" for port in ports]
+    ranks = [
+        RouterConfig(
+            worker_urls=("http://127.0.0.1:9",),
+            host="127.0.0.1",
+            port=port,
+            peer_urls=tuple(u for u in urls if not u.endswith(str(port))),
+        ).replica_rank()
+        for port in ports
+    ]
+    assert ranks == [1, 0, 2]
+    other_host = RouterConfig(
+        worker_urls=("http://127.0.0.1:9",),
+        host="10.0.0.2",
+        port=80,
+        peer_urls=("http://10.0.0.1", "https://10.0.0.3"),
+    )
+    assert other_host.replica_rank() == 1

@@ -227,16 +227,17 @@ def test_cli_takes_kv_aware_retention_parameters_and_refuses_bad_ones() -> None:
     assert refused.returncode != 0 and "retention window must be > 0" in refused.stderr
 
 
-def test_cli_takes_the_kv_aware_replica_salt_flags_and_refuses_negative_ones() -> None:
+def test_cli_takes_the_kv_aware_replica_flags_and_refuses_negative_ones() -> None:
     args = ["--workers", "2", "--cache-tokens", "100000", "--policy", "kv_aware"]
     args += ["--profile", "tiny", "--json", "--router-replicas", "2"]
     salt = ("--kv-aware-replica-spread", "0.05", "--kv-aware-replica-burst-window", "0.01")
-    completed = run_simulate(*args, *salt)
+    completed = run_simulate(*args, *salt, "--kv-aware-replica-stagger", "0.002")
     assert completed.returncode == 0, completed.stderr
     assert json.loads(completed.stdout)[0]["requests"] == 6
     for flag, field in (
         ("--kv-aware-replica-spread", "replica_spread_s"),
         ("--kv-aware-replica-burst-window", "replica_burst_window_s"),
+        ("--kv-aware-replica-stagger", "replica_stagger_s"),
     ):
         refused = run_simulate(*args, flag, "-1")
         assert refused.returncode != 0 and f"{field} must be >= 0" in refused.stderr

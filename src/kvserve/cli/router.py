@@ -197,10 +197,19 @@ def register(app: typer.Typer) -> None:
         kv_aware_replica_burst_window: Annotated[
             float | None,
             _tuning(
-                "kv_aware with --peers: the salt applies only while at least half of the "
-                "last gaps between the requests this replica knows of (its own, its peers' "
-                "announced) are under this many seconds (default: the policy's own; 0: "
-                "every decision salted)."
+                "kv_aware with --peers: the salt and the stagger apply only while at "
+                "least half of the last gaps between the requests this replica knows of "
+                "(its own, its peers' announced) are under this many seconds (default: "
+                "the policy's own; 0: every decision)."
+            ),
+        ] = None,
+        kv_aware_replica_stagger: Annotated[
+            float | None,
+            _tuning(
+                "kv_aware with --peers: in a burst, the replica ranked r among its peers "
+                "(by address) chooses r times this many seconds after a request arrives, "
+                "having heard the lower ranks' choices (default: the policy's own; 0: "
+                "every replica chooses at once)."
             ),
         ] = None,
         kv_aware_retention_margin: Annotated[
@@ -275,6 +284,9 @@ def register(app: typer.Typer) -> None:
                     replica_burst_window_s=default_costs.replica_burst_window_s
                     if kv_aware_replica_burst_window is None
                     else kv_aware_replica_burst_window,
+                    replica_stagger_s=default_costs.replica_stagger_s
+                    if kv_aware_replica_stagger is None
+                    else kv_aware_replica_stagger,
                     home_weight=default_costs.home_weight
                     if kv_aware_home_weight is None
                     else kv_aware_home_weight,

@@ -150,10 +150,18 @@ def register(app: typer.Typer) -> None:
         kv_aware_replica_burst_window: Annotated[
             float | None,
             typer.Option(
-                help="kv_aware with router replicas: the salt applies only while at least "
-                "half of the last gaps between the requests a replica knows of (its own, "
-                "its peers' announced) are under this many seconds (default: the "
-                "policy's own; 0: every decision salted)."
+                help="kv_aware with router replicas: the salt and the stagger apply only "
+                "while at least half of the last gaps between the requests a replica "
+                "knows of (its own, its peers' announced) are under this many seconds "
+                "(default: the policy's own; 0: every decision)."
+            ),
+        ] = None,
+        kv_aware_replica_stagger: Annotated[
+            float | None,
+            typer.Option(
+                help="kv_aware with router replicas: in a burst, replica r (0, 1, ...) "
+                "chooses r times this many seconds after a request arrives, having heard "
+                "the lower ranks' choices (default: the policy's own; 0: all at once)."
             ),
         ] = None,
         kv_aware_recompute_weight: Annotated[
@@ -253,6 +261,8 @@ def register(app: typer.Typer) -> None:
             kv_aware_overrides["replica_spread_s"] = kv_aware_replica_spread
         if kv_aware_replica_burst_window is not None:
             kv_aware_overrides["replica_burst_window_s"] = kv_aware_replica_burst_window
+        if kv_aware_replica_stagger is not None:
+            kv_aware_overrides["replica_stagger_s"] = kv_aware_replica_stagger
         try:
             cost = cost_profile(profile)
             config = SimConfig(

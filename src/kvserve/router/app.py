@@ -126,7 +126,7 @@ class Router:
             # Not for sibling processes: they read one exact table of loads and hear each
             # other within a loop iteration, so a salt would only move short prompts off
             # their holders, by which process took the connection (docs/internals.md).
-            self.policy.as_replica(_replica_name(config, member))
+            self.policy.as_replica(_replica_name(config, member), config.replica_rank())
         # Only kv_aware keeps workers ordered by load: the others read the table itself.
         self._siblings_follow_loads = self.siblings is not None and isinstance(
             self.policy, KvAwarePolicy

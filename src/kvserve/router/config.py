@@ -7,6 +7,7 @@ Retry, circuit-breaker, health-check and timeout defaults are the SGLang model g
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from urllib.parse import urlsplit
 
 from kvserve.core.client_limits import ClientLimits
 from kvserve.core.routing.cache_aware import CacheAwareConfig
@@ -117,6 +118,14 @@ class RouterConfig:
                 "replica (kvserve up --routers R), or several processes without --peers"
             )
 
+    def replica_rank(self) -> int:
+        """This replica's place (0, 1, ...) among itself and its ``--peers``, by address:
+        host, then port. Replicas must name each other as they name themselves (``kvserve
+        up --routers`` does); two that do not may share a rank, which costs the stagger
+        between them (docs/internals.md, "Router replicas: the stagger"), nothing else."""
+        own = (self.host, self.port)
+        return sum(_address(url) < own for url in self.peer_urls)
+
     def kv_event_sources(self) -> tuple[KVEventSource, ...]:
         """Each worker URL's event source, by position."""
         if not self.kv_events:
@@ -143,3 +152,10 @@ class RouterConfig:
         if self.worker_api_key is None:
             return {}
         return {"Authorization": f"Bearer {self.worker_api_key}"}
+
+
+def _address(url: str) -> tuple[str, int]:
+    """A peer's (host, port) from its URL, compared with this replica's own."""
+    parts = urlsplit(url)
+    default_port = 443 if parts.scheme == "https" else 80
+    return parts.hostname or "", parts.port or default_port

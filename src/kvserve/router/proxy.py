@@ -121,6 +121,9 @@ class Proxy:
         if self._preparer is not None:
             # Once, before any guard: a client gone meanwhile leaves none held.
             query = await self._preparer.prepare(query)
+        deferred = self._policy.decision_delay(self._clock())
+        if deferred > 0:  # a router replica's turn in a burst, nothing held meanwhile
+            await asyncio.sleep(deferred)
         delays: Iterator[float] | None = None  # made at the first retry: most need none
         tried: set[str] = set()
         while True:

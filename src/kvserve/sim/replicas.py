@@ -47,10 +47,11 @@ class RouterReplica:
         name: str = "router",
         announce: bool = False,
         one_of_several: bool = False,
+        rank: int = 0,
     ) -> None:
         self.policy = policy
         if one_of_several:  # the real router's replicas do the same (router/app.py)
-            policy.as_replica(name)
+            policy.as_replica(name, rank)
         self.announcer = Announcer(name)
         self._announcing = AnnouncingPolicy(policy, self.announcer) if announce else None
         self.peers = PeerView(policy.observe_peer_choice, self._peer_load_changed)

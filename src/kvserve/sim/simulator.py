@@ -222,6 +222,7 @@ class Simulation:
                 f"r{i}",
                 announce,
                 one_of_several=config.router_replicas > 1,
+                rank=i,
             )
             for i in range(config.router_replicas)
         ]
@@ -241,6 +242,9 @@ class Simulation:
         self._steps: list[tuple[float, int, str]] = []  # (end time, order, worker)
         # (arrival time, order, sender, announcement) of announcements under way
         self._deliveries: list[tuple[float, int, int, Announcement]] = []
+        # (decision time, order, arrival time, trace entry, request, replica index) of
+        # arrivals whose replica defers its decision (Policy.decision_delay)
+        self._deferred: list[tuple[float, int, float, TraceRequest, Request, int]] = []
         self._order = 0
         self._arrivals: dict[str, float] = {}
         self._first_tokens: dict[str, float] = {}
@@ -259,13 +263,31 @@ class Simulation:
     ) -> SimResult:
         started = time.perf_counter()
         next_arrival = 0
-        while next_arrival < len(trace) or self._steps or self._deliveries or self._transfers:
+        while (
+            next_arrival < len(trace)
+            or self._steps
+            or self._deliveries
+            or self._transfers
+            or self._deferred
+        ):
             arrival_time = trace[next_arrival].arrival_s if next_arrival < len(trace) else None
             step_time = self._steps[0][0] if self._steps else None
             if self._deliveries and all(
                 t is None or self._deliveries[0][0] <= t for t in (arrival_time, step_time)
             ):
                 self._deliver(*heapq.heappop(self._deliveries))
+            elif self._deferred and all(
+                t is None or self._deferred[0][0] <= t for t in (arrival_time, step_time)
+            ):
+                now, _, arrived, spec, request, replica = heapq.heappop(self._deferred)
+                self._route(
+                    spec,
+                    request,
+                    self.replicas[replica],
+                    arrived,
+                    now,
+                    self._horizon(trace, next_arrival),
+                )
             elif self._transfers and all(
                 t is None or self._transfers[0][0] <= t for t in (arrival_time, step_time)
             ):
@@ -299,6 +321,8 @@ class Simulation:
         ending no sooner than its latency, or the decode worker falls back at once). A
         decode run planned past it would keep that request waiting for the run's end."""
         arrival = trace[next_arrival].arrival_s if next_arrival < len(trace) else float("inf")
+        if self._deferred:  # a deferred decision is an arrival at its worker
+            arrival = min(arrival, self._deferred[0][0])
         if not self._prefill_ids:
             return arrival
         transfer = self._transfers[0][0] if self._transfers else float("inf")
@@ -321,18 +345,38 @@ class Simulation:
         if self._prefill_ids:
             self._route_pair(spec, request, now, self._horizon(trace, next_arrival))
             return
-        replica = self.replicas[self._routed % len(self.replicas)]
+        index = self._routed % len(self.replicas)
+        replica = self.replicas[index]
         self._routed += 1
+        delay = replica.policy.decision_delay(now)
+        if delay > 0:  # as the router's proxy sleeps before it selects
+            item = (now + delay, self._order, now, spec, request, index)
+            heapq.heappush(self._deferred, item)
+            self._order += 1
+            return
+        self._route(spec, request, replica, now, now, self._horizon(trace, next_arrival))
+
+    def _route(
+        self,
+        spec: TraceRequest,
+        request: Request,
+        replica: RouterReplica,
+        arrived: float,
+        now: float,
+        horizon: float,
+    ) -> None:
+        """``replica`` chooses at ``now`` for ``request``, which arrived at ``arrived``,
+        and the worker takes it."""
         query = route_query(spec, request, replica.policy.reads_prompt_blocks)
         worker_id = replica.select(query, now).worker_id
         replica.adjust(worker_id, 1, request.num_prompt_tokens)
         self._announce(replica, now)
-        self._arrivals[spec.request_id] = now
+        self._arrivals[spec.request_id] = arrived
         self._served_by[spec.request_id] = (worker_id, replica)
         worker = self.workers[worker_id]
         worker.add(request)
         if worker.busy_until is None:
-            self._start(worker, now, self._horizon(trace, next_arrival))
+            self._start(worker, now, horizon)
 
     def _announce(self, replica: RouterReplica, now: float) -> None:
         """Send what ``replica`` has to announce to every other replica."""

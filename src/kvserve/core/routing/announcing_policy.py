@@ -138,8 +138,11 @@ class AnnouncingPolicy(Policy):
     def observe_peer_choice(self, choice: ChoiceNote, now: float) -> TakeBack | None:
         return self.inner.observe_peer_choice(choice, now)
 
-    def as_replica(self, replica: str) -> None:
-        self.inner.as_replica(replica)
+    def as_replica(self, replica: str, rank: int) -> None:
+        self.inner.as_replica(replica, rank)
+
+    def decision_delay(self, now: float) -> float:
+        return self.inner.decision_delay(now)
 
     def forget_worker(self, worker_id: str) -> None:
         self.inner.forget_worker(worker_id)

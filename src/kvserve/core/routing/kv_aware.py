@@ -74,10 +74,13 @@ Ties (equal predictions) go to the less loaded worker, then by rendezvous hashin
 request's block chain rather than a per-process rotation: two router replicas with the
 same index and loads make the same choice. That is what piles a burst onto one worker
 when it reaches several replicas at one instant, before any hears the others'
-announcements; so a replica of several (``as_replica``) adds its own fixed offset per
-worker, below ``replica_spread_s``, to every score (:class:`ReplicaSalt`): near-equal
-choices then differ by replica, and it predicts a few more of the lightest loads
-(``SALTED_LOAD_ROUNDS``) for the offset to choose among. A lone router adds nothing.
+announcements; so in a burst replicas of several (``as_replica``) take turns by rank
+(:meth:`KvAwareRouting.decision_delay`), each choosing after the lower ranks' choices
+were announced. A replica may also add its own fixed offset per worker, below
+``replica_spread_s`` (0 by default since the turns), to every score
+(:class:`ReplicaSalt`): near-equal choices then differ by replica, and it predicts a few
+more of the lightest loads (``SALTED_LOAD_ROUNDS``) for the offset to choose among. A
+lone router does neither.
 
 After a choice the request's blocks are inserted speculatively on the chosen worker
 (see :mod:`kvserve.core.routing.kv_index`), so the next request of a burst sharing a new
@@ -188,15 +191,22 @@ class KvAwareConfig:
     index_max_entries: int | None = None
     # With router replicas only: each adds its own fixed offset in [0, this) per worker
     # to the scores, so that near-equal choices differ across replicas (see
-    # :class:`~kvserve.core.routing.tie_breaking.ReplicaSalt`; the value by measurement,
-    # docs/benchmarks.md "Router replicas announcing their routing"). One router: unused.
-    replica_spread_s: float = 0.05
+    # :class:`~kvserve.core.routing.tie_breaking.ReplicaSalt`). 0 (the default since the
+    # stagger below, by measurement: docs/benchmarks.md "Replicas that take turns in a
+    # burst"; 0.05 before), for replicas that cannot take turns. One router: unused.
+    replica_spread_s: float = 0.0
     # ... and only while requests arrive in bursts: at least half of the last gaps
     # between those the replica knows of (its own, its peers' announced) under this many
     # seconds (see :class:`~kvserve.core.routing.arrival_bursts.ArrivalBursts`; 0: every
     # decision salted). A few loopback announcement delays: a peer's choice made further
     # apart has been heard.
     replica_burst_window_s: float = 0.002
+    # With router replicas only, while requests arrive in bursts: the replica ranked r
+    # among its peers (0, 1, ...) decides r times this many seconds after a request
+    # arrives, so that its peers' choices made in the same burst have been announced to
+    # it (see :meth:`KvAwareRouting.decision_delay`). Above the announcement delay; 0: every
+    # replica decides at once, blind to its peers' share of a burst.
+    replica_stagger_s: float = 0.001
     # Seconds of score per second of a candidate's load, times the share of the prompt it
     # would compute: a choice that computes most of a prompt makes the worker that prefix's
     # home, where the requests extending it (a conversation's next turns) follow and meet
@@ -222,6 +232,8 @@ class KvAwareConfig:
             raise ValueError("replica_spread_s must be >= 0")
         if self.replica_burst_window_s < 0:
             raise ValueError("replica_burst_window_s must be >= 0")
+        if self.replica_stagger_s < 0:
+            raise ValueError("replica_stagger_s must be >= 0")
         if self.home_weight < 0:
             raise ValueError("home_weight must be >= 0")
         HolderPressure(self.retention_margin, self.retention_window_s)  # validates
@@ -579,18 +591,38 @@ class KvAwareRouting:
             pressure = HolderPressure(config.retention_margin, config.retention_window_s)
             self.future = FutureCost(pressure)
         self.salt: ReplicaSalt | None = None
-        # when the salt applies (None: always, where there is one)
+        self.rank = 0  # this replica's place among its peers: how long it defers in a burst
+        # when the salt and the stagger apply (None: always, where there is one)
         self.bursts: ArrivalBursts | None = None
         self.small_fleet = SMALL_FLEET  # fleets up to this size are predicted whole
         # the router's kept pool whose workers all have load entries (until one is forgotten)
         self._pool_known: PoolLoads | None = None
 
-    def as_replica(self, replica: str) -> None:
-        """Route as the router replica named ``replica`` of several: its scores offset by
-        its :class:`ReplicaSalt` (none with a ``replica_spread_s`` of 0)."""
-        spread_s, window_s = self.config.replica_spread_s, self.config.replica_burst_window_s
+    def as_replica(self, replica: str, rank: int) -> None:
+        """Route as the router replica named ``replica``, ranked ``rank`` among its peers:
+        its decisions in a burst deferred by ``rank × replica_stagger_s``, its scores
+        offset by its :class:`ReplicaSalt` (none with a ``replica_spread_s`` of 0)."""
+        config = self.config
+        spread_s, window_s = config.replica_spread_s, config.replica_burst_window_s
         self.salt = ReplicaSalt(replica, spread_s) if spread_s else None
-        self.bursts = ArrivalBursts(window_s) if spread_s and window_s else None
+        self.rank = rank
+        staggered = rank and config.replica_stagger_s
+        self.bursts = ArrivalBursts(window_s) if (spread_s or staggered) and window_s else None
+
+    def decision_delay(self, now: float) -> float:
+        """Seconds to wait, from a request's arrival at ``now``, before choosing for it.
+
+        Replicas sharing a burst that decide at one instant each decide blind to the
+        others' share of it, and send theirs to the same best workers (4 replicas, 10
+        workers, the Mooncake trace's same-instant buckets: TTFT p99 +47 % over one
+        router, salted). Deferred by rank, one step longer than an announcement takes,
+        each replica decides after the lower ranks' choices in that burst have reached
+        it: the burst is routed as one router would route it, in a slightly different
+        order, for up to ``(replicas - 1) × replica_stagger_s`` of TTFT. Only in bursts:
+        a stream spread in time has already been heard."""
+        if not self.rank or (self.bursts is not None and not self.bursts.bursting):
+            return 0.0
+        return self.rank * self.config.replica_stagger_s
 
     def arrived(self, now: float) -> None:
         """A request reached this router at ``now`` (once per request, before choosing: a

@@ -113,11 +113,19 @@ class Policy(ABC):
         record back (the peer's attempt ended before its first token)."""
         return None
 
-    def as_replica(self, replica: str) -> None:  # noqa: B027 - most rank alike anyway
+    def as_replica(self, replica: str, rank: int) -> None:  # noqa: B027 - most rank alike anyway
         """This policy is the router replica named ``replica``, one of several that
-        route the same fleet (kv_aware then salts its near-ties by replica, see
+        route the same fleet, ranked ``rank`` (0, 1, ...: a different one per replica)
+        among them: kv_aware then defers its decisions in bursts by rank (see
+        :meth:`decision_delay`) and may salt its near-ties by replica (see
         :class:`~kvserve.core.routing.tie_breaking.ReplicaSalt`). Not called for a lone
         router."""
+
+    def decision_delay(self, now: float) -> float:
+        """Seconds the router waits, from a request's arrival at ``now``, before calling
+        :meth:`select` (or :meth:`select_pair`) for it; nothing is held meanwhile. 0 but
+        for a kv_aware replica of several in a burst (its peers' choices announced first)."""
+        return 0.0
 
     def forget_worker(self, worker_id: str) -> None:  # noqa: B027 - most keep no state
         """Drop what the policy learned about a worker that left the fleet."""

@@ -129,8 +129,11 @@ class KvAwarePolicy(Policy):
             KvAwareChoice(predicted, "peer"), choice.block_hashes, choice.prompt_tokens, now
         )
 
-    def as_replica(self, replica: str) -> None:
-        self.routing.as_replica(replica)
+    def as_replica(self, replica: str, rank: int) -> None:
+        self.routing.as_replica(replica, rank)
+
+    def decision_delay(self, now: float) -> float:
+        return self.routing.decision_delay(now)
 
     def forget_worker(self, worker_id: str) -> None:
         self.routing.forget_worker(worker_id)
