@@ -27,8 +27,8 @@ policy), which separates what the router process costs from what the policy deci
 
 Run: ``python benchmarks/foreign_fleet.py [--requests 48] [--rounds 1]
 [--concurrency 4 | --rate 8] [--routers kvserve-kv_aware sglang-cache_aware
-kvserve-cache_aware] [--recompute-weights 0 2] [--workloads shared-prefix mooncake-conv]
-[--out runs/foreign-fleet]``
+kvserve-cache_aware] [--recompute-weights 0 2] [--workloads shared-prefix mooncake-conv
+hot-prefix system-prompt] [--out runs/foreign-fleet]``
 """
 
 from __future__ import annotations
@@ -61,6 +61,8 @@ WORKLOADS = {
     "hot-prefix": (
         "shared-prefix:n_prefixes=8,prefix_len=384,suffix_len=24,max_tokens=8,popularity_skew=1.2"
     ),
+    # one system prompt before every question: its holder is every request's best match
+    "system-prompt": "shared-prefix:n_prefixes=1,prefix_len=384,suffix_len=96,max_tokens=8",
 }
 
 
