@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated, cast
+from typing import Annotated, Any, cast
 
 import typer
 
@@ -238,7 +238,19 @@ def register(app: typer.Typer) -> None:
         # arrive here, told apart by their scheme.
         extra = more_values or []
         extra_sources = [v for v in extra if not v.startswith(("http://", "https://"))]
-        default_costs = KvAwareConfig()
+        # kv_aware's flags given (None: the policy's own default)
+        kv_aware_flags = {
+            "prefill_token_s": kv_prefill_token_s,
+            "decode_request_s": kv_decode_request_s,
+            "recompute_weight": kv_aware_recompute_weight,
+            "retention_margin": kv_aware_retention_margin,
+            "retention_window_s": kv_aware_retention_window,
+            "replica_spread_s": kv_aware_replica_spread,
+            "replica_burst_window_s": kv_aware_replica_burst_window,
+            "replica_stagger_s": kv_aware_replica_stagger,
+            "home_weight": kv_aware_home_weight,
+        }
+        kv_aware_given: dict[str, Any] = {k: v for k, v in kv_aware_flags.items() if v is not None}
         try:
             config = RouterConfig(
                 worker_urls=(
@@ -262,35 +274,7 @@ def register(app: typer.Typer) -> None:
                     eviction_interval_s=eviction_interval_secs,
                     max_tree_size=max_tree_size,
                 ),
-                kv_aware=KvAwareConfig(
-                    prefill_token_s=default_costs.prefill_token_s
-                    if kv_prefill_token_s is None
-                    else kv_prefill_token_s,
-                    decode_request_s=default_costs.decode_request_s
-                    if kv_decode_request_s is None
-                    else kv_decode_request_s,
-                    recompute_weight=default_costs.recompute_weight
-                    if kv_aware_recompute_weight is None
-                    else kv_aware_recompute_weight,
-                    retention_margin=default_costs.retention_margin
-                    if kv_aware_retention_margin is None
-                    else kv_aware_retention_margin,
-                    retention_window_s=default_costs.retention_window_s
-                    if kv_aware_retention_window is None
-                    else kv_aware_retention_window,
-                    replica_spread_s=default_costs.replica_spread_s
-                    if kv_aware_replica_spread is None
-                    else kv_aware_replica_spread,
-                    replica_burst_window_s=default_costs.replica_burst_window_s
-                    if kv_aware_replica_burst_window is None
-                    else kv_aware_replica_burst_window,
-                    replica_stagger_s=default_costs.replica_stagger_s
-                    if kv_aware_replica_stagger is None
-                    else kv_aware_replica_stagger,
-                    home_weight=default_costs.home_weight
-                    if kv_aware_home_weight is None
-                    else kv_aware_home_weight,
-                ),
+                kv_aware=KvAwareConfig(**kv_aware_given),
                 session_header=session_header,
                 tokenizer=tokenizer,
                 seed=seed,

@@ -122,7 +122,7 @@ class RouterConfig:
         """This replica's place (0, 1, ...) among itself and its ``--peers``, by address:
         host, then port. Replicas must name each other as they name themselves (``kvserve
         up --routers`` does); two that do not may share a rank, which costs the stagger
-        between them (docs/internals.md, "Router replicas: the stagger"), nothing else."""
+        between them (docs/internals.md, "Router replicas: taking turns"), nothing else."""
         own = (self.host, self.port)
         return sum(_address(url) < own for url in self.peer_urls)
 

@@ -8,7 +8,9 @@ herd to break: a salted choice may leave the deepest holder for a near-equal wor
 5.8 % below one router's salted, level unsalted; docs/benchmarks.md, "Salting only
 bursts"). A replica knows of its own requests as they arrive and of its peers' as their
 choices are announced: when most of the recent ones came within ``window_s`` of the one
-before, the traffic comes in bursts, and its peers are taking the same burst.
+before, the traffic comes in bursts, and its peers are taking the same burst. The same
+gate keeps a replica's turn in a burst (``KvAwareRouting.decision_delay``) to bursts: a
+stream spread in time has been heard, and waiting would only add to its TTFT.
 """
 
 from __future__ import annotations
