@@ -28,6 +28,8 @@ CONFIG = KvAwareConfig(
     recompute_weight=2.0,
     retention_margin=1.0,
     retention_window_s=60.0,
+    home_weight=0.0,  # the recompute weight alone
+    slack_queue_s=float("inf"),  # applied to every decision
 )
 BLOCK = 16
 HASHES = tuple(range(100, 110))  # a 10-block prefix

@@ -8,10 +8,15 @@ import pytest
 
 from kvserve.core.kv_events import KVEvent
 from kvserve.core.routing.kv_aware import KvAwareConfig, KvAwareRouting
+from kvserve.core.routing.pool_loads import PoolLoads
 from kvserve.core.routing.types import WorkerLoad
 
-CONFIG = KvAwareConfig(
-    prefill_token_s=1e-3, attention_pair_s=0.0, decode_request_s=0.0, recompute_weight=0.0
+CONFIG = KvAwareConfig(  # the TTFT alone ranks (no recompute or home weight)
+    prefill_token_s=1e-3,
+    attention_pair_s=0.0,
+    decode_request_s=0.0,
+    recompute_weight=0.0,
+    home_weight=0.0,
 )
 BLOCK = 16
 HASHES = list(range(100, 110))  # a 10-block prefix
@@ -63,6 +68,24 @@ def test_recompute_weight_keeps_a_busy_holder_until_its_queue_outweighs_the_reco
     choice = routing.select(loads, HASHES, PROMPT, BLOCK, now=0.0)
     assert choice.worker_id == chosen
     assert choice.reason == ("cache_hit" if chosen == "w0" else "load_spread")
+
+
+@pytest.mark.parametrize(("slack_queue_s", "chosen"), [(0.3, "w0"), (0.2, "w1"), (0.0, "w1")])
+def test_the_weights_apply_only_while_the_fleet_has_slack(
+    slack_queue_s: float, chosen: str
+) -> None:
+    """The holder's 480 guarded tokens are 240 ms of prefill for the mean worker of two:
+    with slack up to 300 ms the recompute weight keeps the request on the holder; up to
+    200 ms or none, the fleet is too busy for it and TTFT alone sends it to w1, as with no
+    weight. A pool kept between decisions (its sum kept) decides as a list does."""
+    config = dataclasses.replace(CONFIG, recompute_weight=2.0, slack_queue_s=slack_queue_s)
+    for kept in (False, True):
+        routing = KvAwareRouting(config)
+        routing.index.apply("w0", KVEvent(1, "stored", "device", tuple(HASHES), None))
+        routing.queue.push("w0", 470 * config.prefill_token_s, now=0.0)
+        loads = [WorkerLoad("w0", 3, 480), WorkerLoad("w1")]
+        pool = PoolLoads(loads) if kept else loads
+        assert routing.select(pool, HASHES, PROMPT, BLOCK, now=0.0).worker_id == chosen
 
 
 def busy_holder_of(blocks: int, queued_ms: float, config: KvAwareConfig) -> str:

@@ -19,6 +19,7 @@ from kvserve.core.routing.kv_aware import (
     KvAwareRouting,
     _choose,
     _choose_whole,
+    _choose_whole_weighted,
     _ttft,
     _WholeFleet,
     lowest_ttft,
@@ -36,6 +37,8 @@ CONFIG = KvAwareConfig(
     decode_request_s=1e-3,
     speculative_ttl_s=1.0,
     recompute_weight=3.0,  # a worker outside the candidates still cannot score lower
+    home_weight=0.0,
+    slack_queue_s=float("inf"),  # the weights apply to every decision
 )
 # no weight: a whole small fleet's choice is then made from its groups (_choose_whole)
 UNWEIGHTED = dataclasses.replace(CONFIG, recompute_weight=0.0)
@@ -469,6 +472,51 @@ def test_a_whole_fleets_choice_from_its_groups_equals_the_choice_from_every_scor
     if not scored:
         return
     assert _choose_whole(fleet, tie_key) == _choose(scored, tie_key, 64, UNWEIGHTED)
+
+
+@settings(max_examples=500, deadline=None)
+@given(
+    groups=st.lists(group, min_size=1, max_size=4),
+    apart=st.lists(st.tuples(near_floats, st.sampled_from([16, 48]), st.integers(0, 1))),
+    tie_key=st.integers(0, 2**64),
+    home=st.sampled_from([0.0, 3.0]),
+    weight=st.sampled_from([0.0, 0.5, 3.0]),
+    prompt_tokens=st.sampled_from([0, 48, 64]),
+)
+def test_a_whole_fleets_weighted_choice_from_its_groups_equals_the_choice_from_every_score(
+    groups: list[tuple[float, int, list[tuple[float, int, int]]]],
+    apart: list[tuple[float, int, int]],
+    tie_key: int,
+    home: float,
+    weight: float,
+    prompt_tokens: int,
+) -> None:
+    """With a recompute weight or a home term, the groups' shortcut (a group's smallest
+    score from its smallest load term, only near groups scored per worker) picks exactly
+    what ranking every worker's score picks."""
+    names = iter(range(10**6))
+    config = dataclasses.replace(CONFIG, home_weight=home)
+
+    def load(requests: int, tokens: int) -> WorkerLoad:
+        return WorkerLoad(f"w{next(names)}", requests, tokens)
+
+    fleet = _WholeFleet(
+        [
+            (prefill_s, cached, [t for t, _, _ in members], [load(r, k) for _, r, k in members])
+            for prefill_s, cached, members in groups
+        ],
+        [(load(1, k), ttft, cached) for ttft, cached, k in apart],
+    )
+    scored = fleet.scored()
+    if not scored:
+        return
+    expected = _choose(scored, tie_key, prompt_tokens, config, weight)
+    assert _choose_whole_weighted(fleet, tie_key, prompt_tokens, config, weight) == expected
+    deepest = max(cached for _, _, cached in scored)
+    by_worker = lambda s: s[0].worker_id  # noqa: E731
+    assert sorted(fleet.deepest(), key=by_worker) == sorted(
+        [s for s in scored if s[2] == deepest], key=by_worker
+    )
 
 
 @pytest.mark.parametrize("small_fleet", [0, SMALL_FLEET])  # searched; predicted whole

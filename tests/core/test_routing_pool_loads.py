@@ -9,7 +9,7 @@ import pytest
 
 from kvserve.core.kv_events import KVEvent
 from kvserve.core.routing.kv_aware import SMALL_FLEET, KvAwareConfig, KvAwareRouting
-from kvserve.core.routing.pool_loads import PoolLoads, loads_by_id
+from kvserve.core.routing.pool_loads import PoolLoads, guarded_prefill_tokens, loads_by_id
 from kvserve.core.routing.types import WorkerLoad
 
 BLOCK = 16
@@ -32,6 +32,18 @@ def test_replacing_a_load_changes_both_views_and_ignores_workers_outside_the_poo
     pool.replace(WorkerLoad("w9", 1, 1))
     assert pool[1] is busier and pool.by_id["w1"] is busier
     assert [load.worker_id for load in pool] == ["w0", "w1"] and "w9" not in pool.by_id
+
+
+def test_a_pool_keeps_the_guarded_prefill_tokens_of_its_workers_in_all() -> None:
+    """Its own guards' and its peers' reported tokens, kept as loads are replaced, the
+    same sum a list's loads give."""
+    pool = PoolLoads([WorkerLoad("w0", 1, 10), WorkerLoad("w1", 0, 0, 1.0, 5)])
+    assert pool.prefill_tokens == guarded_prefill_tokens(list(pool)) == 15
+    pool.replace(WorkerLoad("w1", 2, 300, 1.0, 7))
+    pool.replace(WorkerLoad("w0"))
+    pool.replace(WorkerLoad("w9", 1, 1000))  # outside the pool: not counted
+    assert pool.prefill_tokens == guarded_prefill_tokens(list(pool)) == 307
+    assert guarded_prefill_tokens(pool) == 307
 
 
 def test_a_pool_lists_each_worker_once() -> None:

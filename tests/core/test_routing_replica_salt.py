@@ -21,7 +21,10 @@ from kvserve.core.routing.types import WorkerLoad
 
 BLOCK = 16
 # every decision salted (no burst window): these tests are of the salt itself
-SPREAD = KvAwareConfig(replica_spread_s=0.02, replica_burst_window_s=0.0)
+# the salt alone: no recompute or home weight
+SPREAD = KvAwareConfig(
+    replica_spread_s=0.02, replica_burst_window_s=0.0, recompute_weight=0.0, home_weight=0.0
+)
 REPLICAS = [f"r{i}" for i in range(8)]
 
 

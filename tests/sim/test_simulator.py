@@ -205,6 +205,16 @@ def test_cli_takes_kv_aware_home_weight_and_refuses_a_negative_one() -> None:
     assert refused.returncode != 0 and "home_weight must be >= 0" in refused.stderr
 
 
+def test_cli_takes_kv_aware_slack_queue_and_refuses_a_negative_one() -> None:
+    args = ["--workers", "2", "--cache-tokens", "100000", "--policy", "kv_aware"]
+    args += ["--profile", "tiny", "--json"]
+    completed = run_simulate(*args, "--kv-aware-slack-queue", "inf")
+    assert completed.returncode == 0, completed.stderr
+    assert json.loads(completed.stdout)[0]["requests"] == 6
+    refused = run_simulate(*args, "--kv-aware-slack-queue", "-1")
+    assert refused.returncode != 0 and "slack_queue_s must be >= 0" in refused.stderr
+
+
 def test_cli_names_the_arrival_rate_it_simulated() -> None:
     """--speedup 4 compresses arrival times 4x: four times the trace's arrival rate."""
     completed = run_simulate(

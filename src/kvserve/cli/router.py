@@ -185,6 +185,14 @@ def register(app: typer.Typer) -> None:
                 "recompute weight by the holder's share; default: the policy's own)."
             ),
         ] = None,
+        kv_aware_slack_queue: Annotated[
+            float | None,
+            _tuning(
+                "kv_aware: the recompute and home weights apply only while the mean "
+                "worker's guarded prefill is at most this many seconds; past it, TTFT "
+                "alone ranks (default: the policy's own; inf: always)."
+            ),
+        ] = None,
         kv_aware_replica_spread: Annotated[
             float | None,
             _tuning(
@@ -249,6 +257,7 @@ def register(app: typer.Typer) -> None:
             "replica_burst_window_s": kv_aware_replica_burst_window,
             "replica_stagger_s": kv_aware_replica_stagger,
             "home_weight": kv_aware_home_weight,
+            "slack_queue_s": kv_aware_slack_queue,
         }
         kv_aware_given: dict[str, Any] = {k: v for k, v in kv_aware_flags.items() if v is not None}
         try:

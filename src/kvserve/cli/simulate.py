@@ -179,6 +179,14 @@ def register(app: typer.Typer) -> None:
                 "recompute weight by the holder's share; default: the policy's own)."
             ),
         ] = None,
+        kv_aware_slack_queue: Annotated[
+            float | None,
+            typer.Option(
+                help="kv_aware: the recompute and home weights apply only while the mean "
+                "worker's guarded prefill is at most this many seconds; past it, TTFT "
+                "alone ranks (default: the policy's own; inf: always)."
+            ),
+        ] = None,
         kv_aware_retention_margin: Annotated[
             float | None,
             typer.Option(
@@ -253,6 +261,8 @@ def register(app: typer.Typer) -> None:
             kv_aware_overrides["recompute_weight"] = kv_aware_recompute_weight
         if kv_aware_home_weight is not None:
             kv_aware_overrides["home_weight"] = kv_aware_home_weight
+        if kv_aware_slack_queue is not None:
+            kv_aware_overrides["slack_queue_s"] = kv_aware_slack_queue
         if kv_aware_retention_margin is not None:
             kv_aware_overrides["retention_margin"] = kv_aware_retention_margin
         if kv_aware_retention_window is not None:

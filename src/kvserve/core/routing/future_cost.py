@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 from kvserve.core.kv_events import KVEvent
@@ -178,15 +178,18 @@ class FutureCost:
         self,
         base: float,
         scored: Sequence[tuple[WorkerLoad, float, int]],
-        held_blocks: Mapping[str, int],
+        held_blocks: Callable[[str], int],
         block_size: int,
         prompt_tokens: int,
         now: float,
     ) -> float:
-        """``scored`` is (worker, predicted TTFT, cached tokens) per candidate,
-        ``held_blocks`` the device blocks (of ``block_size`` tokens) each holder holds.
-        The best chance among the deepest holders counts: the rule would keep the
-        request on that one."""
+        """``scored`` is (worker, predicted TTFT, cached tokens) per candidate (the deepest
+        are enough), ``held_blocks`` the device blocks (of ``block_size`` tokens) a worker
+        holds. The best chance among the deepest holders counts: the rule would keep the
+        request on that one. A chance is at most 1, so the first holder with a whole
+        chance (one whose cache has evicted nothing lately) ends the search: a popular
+        prefix's 20 holders each read their eviction rate otherwise, a quarter of a
+        100-worker decision."""
         if not base or not scored:
             return base
         deepest = max(c for _, _, c in scored)
@@ -196,8 +199,10 @@ class FutureCost:
         for worker, ttft_s, cached in scored:
             if cached != deepest:
                 continue
-            held = held_blocks.get(worker.worker_id, 0)
+            held = held_blocks(worker.worker_id)
             chance = max(chance, self._chance(worker, ttft_s, held, block_size, prompt_tokens, now))
+            if chance >= 1.0:
+                break
         return base * chance
 
     def _chance(

@@ -47,8 +47,7 @@ Measured with ``kvserve simulate`` on the conversation, agent-session and
 bursty-system-prompt traces at ×1, ×2 and ×4 (docs/benchmarks.md, "Future cost under
 cache pressure"): weight 8 with that discount keeps cache_aware's hit rate (within 0.01)
 at a lower mean TTFT than cache_aware's on all nine, but has a higher TTFT than weight 0
-on the bursty prompts (mean 2–2.7×) and the agent sessions at ×4 (1.3×). The default
-stays 0 (TTFT first); ``--kv-aware-recompute-weight 8`` keeps the hits.
+on the bursty prompts (mean 2–2.7×) and the agent sessions at ×4 (1.3×).
 
 A choice also moves a prefix's home: the requests that extend a prompt (a conversation's
 next turns) follow its blocks to the worker that computed them. In a fleet with idle
@@ -68,7 +67,22 @@ scaled by the deepest holder's share of the prompt: a holder of a shared system 
 alone is a weak reason to queue, a holder of the conversation so far a strong one. At 160
 workers, h = 3 with a recompute weight of 8 gives hit rate 0.367, TTFT p50 0.102 s and
 p99 4.95 s against cache_aware's 0.366, 0.105 and 5.91 (docs/benchmarks.md, "A prefix's
-home"); at 10 workers it keeps fewer hits under load than the unscaled weight. Default 0.
+home"); at 10 workers it keeps fewer hits under load than the unscaled weight.
+
+Both weights trade this request's TTFT for later ones, which pays while the fleet has
+room to spare: an idle worker to make a new home of, a holder whose queue a kept request
+does not lengthen much. In a fleet already queueing, they keep requests on holders that
+cannot serve them soon (agent sessions at ×4 on 10 workers: mean TTFT 2.30 s with h 3
+and weight 8 against 1.35 s by TTFT alone). So they apply only while the fleet has slack:
+while the mean worker's guarded prefill (:func:`~kvserve.core.routing.pool_loads.
+guarded_prefill_tokens`, as prefill seconds) is at most ``slack_queue_s``; past it, a
+decision ranks by TTFT alone. Measured (docs/benchmarks.md, "Weights while the fleet has
+slack"): the defaults, h 3, weight 8 and 0.4 s of slack, keep cache_aware's hit rate at
+160 workers with a lower TTFT; on 10 workers they keep at least TTFT alone's hit rate
+(within 0.001) at a mean TTFT 1 % higher on the conversation trace, 7 % on agent sessions
+×4, 41–76 % on bursty system prompts (still half to three quarters of cache_aware's). A
+gate on the share of idle workers did not hold: the weights themselves idle workers by
+piling requests onto holders, which held it open.
 
 Ties (equal predictions) go to the less loaded worker, then by rendezvous hashing on the
 request's block chain rather than a per-process rotation: two router replicas with the
@@ -103,8 +117,9 @@ reference rule, cheaper there).
 
 from __future__ import annotations
 
-from collections.abc import Container, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+import math
+from collections.abc import Callable, Container, Iterable, Mapping, Sequence
+from dataclasses import dataclass, replace
 from operator import itemgetter
 from typing import Any, NamedTuple
 
@@ -116,7 +131,7 @@ from kvserve.core.routing.arrival_bursts import ArrivalBursts
 from kvserve.core.routing.future_cost import FutureCost, HolderPressure
 from kvserve.core.routing.kv_index import TIERS, KVBlockIndex, WorkerMatch
 from kvserve.core.routing.load_order import LoadOrder, load_term
-from kvserve.core.routing.pool_loads import PoolLoads, loads_by_id
+from kvserve.core.routing.pool_loads import PoolLoads, guarded_prefill_tokens, loads_by_id
 from kvserve.core.routing.tie_breaking import ReplicaSalt
 from kvserve.core.routing.types import TakeBack, WorkerLoad, sort_key_of
 
@@ -128,8 +143,9 @@ SALTED_LOAD_ROUNDS = 4
 # at 100 workers whole 3.2x cache_aware's decision time against 4.4-5.0x for the few, at
 # 250 4.7x against 3.2x)
 SMALL_FLEET = 128
-# With a recompute or home weight, a fleet's workers are scored one by one (no grouped
-# choice), and finding the few worth predicting costs less past this many (instructions
+# With a replica's salt and a recompute or home weight, a fleet's workers are scored one
+# by one (no grouped choice), and finding the few worth predicting costs less past this
+# many (instructions
 # per decision, routing_scale.py's fleet, 16-block prompts, weight 8 and home weight 3:
 # 20 workers 669k whole against 711k for the few, 30 workers 839k against 734k, 100
 # workers 2.20M against 0.72M)
@@ -178,9 +194,9 @@ class KvAwareConfig:
     speculative_ttl_s: float = 2.0
     # Seconds of score per second of prefill a choice computes beyond what the deepest
     # holder would: what the recompute costs the requests queued behind it, discounted
-    # by the holder's pressure (see the module docstring). 0 (the default, by measurement:
-    # 8 keeps the hits but costs TTFT against 0) ranks by this request's TTFT.
-    recompute_weight: float = 0.0
+    # by the holder's pressure (see the module docstring), applied while the fleet has
+    # slack (``slack_queue_s``). 0 ranks by this request's TTFT.
+    recompute_weight: float = 8.0
     # The weight is discounted by the deepest holder's chance of still holding the prefix
     # when the request runs there, from its cache's eviction rate averaged over
     # ``retention_window_s`` (see :mod:`kvserve.core.routing.future_cost`); margin 0: no
@@ -211,8 +227,14 @@ class KvAwareConfig:
     # would compute: a choice that computes most of a prompt makes the worker that prefix's
     # home, where the requests extending it (a conversation's next turns) follow and meet
     # the same load (see the module docstring). With it, the recompute weight is also
-    # scaled by the deepest holder's share of the prompt. 0 (the default): neither.
-    home_weight: float = 0.0
+    # scaled by the deepest holder's share of the prompt. 0: neither.
+    home_weight: float = 3.0
+    # The two weights above apply only while the fleet has slack: while the mean worker's
+    # guarded prefill (this router's guards and its peers' reports, in prefill seconds) is
+    # at most this many seconds. Past it, a decision ranks by TTFT alone: a fleet that
+    # busy has no idle worker to make a home of, and keeping requests on their holders
+    # there queues them (see the module docstring). ``inf``: the weights always apply.
+    slack_queue_s: float = 0.4
 
     def __post_init__(self) -> None:
         values = (
@@ -236,6 +258,8 @@ class KvAwareConfig:
             raise ValueError("replica_stagger_s must be >= 0")
         if self.home_weight < 0:
             raise ValueError("home_weight must be >= 0")
+        if not self.slack_queue_s >= 0:
+            raise ValueError("slack_queue_s must be >= 0")
         HolderPressure(self.retention_margin, self.retention_window_s)  # validates
 
     @classmethod
@@ -247,8 +271,9 @@ class KvAwareConfig:
         }
         return cls(**(fields | overrides))
 
-    def prefill_s(self, num_tokens: int, cached_tokens: int = 0) -> float:
-        """Seconds to compute ``num_tokens`` prompt tokens after ``cached_tokens``."""
+    def prefill_s(self, num_tokens: float, cached_tokens: float = 0) -> float:
+        """Seconds to compute ``num_tokens`` prompt tokens after ``cached_tokens`` (a
+        mean worker's may be fractional)."""
         pairs = num_tokens * (cached_tokens + (num_tokens + 1) / 2)
         return num_tokens * self.prefill_token_s + pairs * self.attention_pair_s
 
@@ -468,6 +493,18 @@ class _WholeFleet(NamedTuple):
     groups: list[tuple[float, int, list[float], list[WorkerLoad]]]
     apart: list[tuple[WorkerLoad, float, int]]  # holders with a host or storage block
 
+    def deepest(self) -> list[tuple[WorkerLoad, float, int]]:
+        """The (worker, TTFT, cached tokens) of the workers matched deepest: what the
+        discount of the recompute weight reads (:meth:`FutureCost.weight`)."""
+        groups, apart = self
+        deepest = max([c for _, c, terms, _ in groups if terms] + [s[2] for s in apart])
+        chosen = [s for s in apart if s[2] == deepest]
+        for prefill_s, cached, terms, workers in groups:
+            if cached == deepest:
+                pairs = zip(terms, workers, strict=True)
+                chosen += [(w, term + prefill_s, cached) for term, w in pairs]
+        return chosen
+
     def scored(self) -> list[tuple[WorkerLoad, float, int]]:
         """Every worker's (worker, TTFT, cached tokens), as :func:`_choose` reads them."""
         scored = list(self.apart)
@@ -538,6 +575,77 @@ def _choose_whole(fleet: _WholeFleet, tie_key: int) -> KvAwareChoice:
     return _chosen(_lightest(near), deepest, tie_key)
 
 
+def _scorer(
+    deepest: int, prompt_tokens: int, config: KvAwareConfig, weight: float
+) -> Callable[[float, int], float]:
+    """A candidate's score from its (TTFT, cached tokens), with a recompute ``weight``
+    and ``config``'s home weight, given the ``deepest`` match of any candidate.
+
+    The home term is ``home_weight`` × (the TTFT less the prefill: the wait there, and
+    loading host or storage hits) × the share of the prompt computed there; with it the
+    recompute term is scaled by the share of the prompt the deepest holder holds. For
+    one number of cached tokens the score never falls as the TTFT grows: each step is a
+    rounded addition or a product by a factor >= 0, which keep order."""
+    floor_s = config.prefill_s(prompt_tokens - deepest, deepest) if weight else 0.0
+    home = config.home_weight if prompt_tokens else 0.0  # no prompt: no shares
+    if home:
+        weight *= deepest / prompt_tokens
+
+    prefills: dict[int, float] = {}  # cached tokens -> prefill seconds, per decision
+
+    def score(ttft: float, cached: int) -> float:
+        prefill_s = prefills.get(cached)
+        if prefill_s is None:
+            prefill_s = prefills[cached] = config.prefill_s(prompt_tokens - cached, cached)
+        if home:
+            ttft += home * (ttft - prefill_s) * (prompt_tokens - cached) / prompt_tokens
+        if not weight or cached == deepest:
+            return ttft
+        return ttft + weight * (prefill_s - floor_s)
+
+    return score
+
+
+def _choose_whole_weighted(
+    fleet: _WholeFleet, tie_key: int, prompt_tokens: int, config: KvAwareConfig, weight: float
+) -> KvAwareChoice:
+    """:func:`_choose` with a weight (no salt), from a whole fleet's groups: the same
+    choice. A group's workers share their match, so their scores are in the order of
+    their load terms (:func:`_scorer`): the group's smallest score is its smallest
+    term's, and only the groups whose smallest is within 2 ns of the lowest are scored
+    worker by worker (every worker's score, then a rank each, made a weighted 100-worker
+    decision cost three times an unweighted one). A score grows at least as fast as its
+    load term (the home term adds a share of the wait, the recompute term a constant), so
+    a term further than the gap to the lowest above its group's smallest is passed over
+    unscored."""
+    groups, apart = fleet
+    deepest = max([c for _, c, terms, _ in groups if terms] + [s[2] for s in apart])
+    score = _scorer(deepest, prompt_tokens, config, weight)
+    apart_scores = [score(ttft, cached) for _, ttft, cached in apart]
+    least_terms = [min(terms) if terms else math.inf for _, _, terms, _ in groups]
+    minima = [
+        score(least + prefill_s, cached) if terms else math.inf
+        for (prefill_s, cached, terms, _), least in zip(groups, least_terms, strict=True)
+    ]
+    near_s = min(minima + apart_scores) + 2e-9
+    near = [(s, value) for s, value in zip(apart, apart_scores, strict=True) if value <= near_s]
+    for group, least, least_term in zip(groups, minima, least_terms, strict=True):
+        if least > near_s:
+            continue
+        prefill_s, cached, terms, workers = group
+        bound = least_term + (near_s - least) + _TERM_SLACK_S
+        for term, worker in zip(terms, workers, strict=True):
+            if term <= bound:
+                ttft = term + prefill_s
+                value = score(ttft, cached)
+                if value <= near_s:
+                    near.append(((worker, ttft, cached), value))
+    ranks = [(round(value, 9), s[0].sort_key) for s, value in near]
+    lowest = min(ranks)
+    tied = [s for (s, _), rank in zip(near, ranks, strict=True) if rank == lowest]
+    return _chosen(tied, deepest, tie_key)
+
+
 def _ranks(
     scored: Sequence[tuple[WorkerLoad, float, int]],
     deepest: int,
@@ -547,25 +655,10 @@ def _ranks(
     salt: ReplicaSalt | None,
 ) -> list[tuple[float, tuple[int, int]]]:
     """:func:`_choose`'s (score rounded to the nanosecond, sort key) per scored worker,
-    with a recompute ``weight``, a home weight or a replica's ``salt``.
-
-    The home term is ``home_weight`` × (the TTFT less the prefill: the wait there, and
-    loading host or storage hits) × the share of the prompt computed there; with it the
-    recompute term is scaled by the share of the prompt the deepest holder holds."""
-    floor_s = config.prefill_s(prompt_tokens - deepest, deepest) if weight else 0.0
-    home = config.home_weight if prompt_tokens else 0.0  # no prompt: no shares
-    if home:
-        weight *= deepest / prompt_tokens
-
-    def score(ttft: float, cached: int) -> float:
-        prefill_s = config.prefill_s(prompt_tokens - cached, cached)
-        if home:
-            ttft += home * (ttft - prefill_s) * (prompt_tokens - cached) / prompt_tokens
-        if not weight or cached == deepest:
-            return ttft
-        return ttft + weight * (prefill_s - floor_s)
-
+    with a recompute ``weight``, a home weight or a replica's ``salt``."""
+    home = config.home_weight
     if weight or home:
+        score = _scorer(deepest, prompt_tokens, config, weight)
         values = [score(ttft, cached) for _, ttft, cached in scored]
     else:  # a salt alone: the TTFT is the score
         values = list(map(itemgetter(1), scored))
@@ -579,6 +672,9 @@ class KvAwareRouting:
 
     def __init__(self, config: KvAwareConfig, index: KVBlockIndex | None = None) -> None:
         self.config = config
+        # a weight applies only while the fleet has slack; without, the same costs rank
+        self._weighted = bool(config.recompute_weight or config.home_weight)
+        self._ttft_only = replace(config, recompute_weight=0.0, home_weight=0.0)
         self.index = index if index is not None else KVBlockIndex(config.index_max_entries)
         self.loads = LoadOrder(
             config.prefill_s, config.decode_request_s, self.index.slot, len(TIERS)
@@ -663,30 +759,41 @@ class KvAwareRouting:
 
         Only the holders of a prefix and the lightest loads are predicted (see the
         module docstring); a worker not seen before is learnt from ``workers``. A fleet
-        of up to ``small_fleet`` workers (``SMALL_WEIGHTED_FLEET`` with a weight,
-        ``SMALL_SALTED_FLEET`` with a replica's salt) is predicted whole: the reference
+        of up to ``small_fleet`` workers (with a replica's salt ``SMALL_SALTED_FLEET``,
+        or ``SMALL_WEIGHTED_FLEET`` with a weight too) is predicted whole: the reference
         rule, cheaper there than finding the few worth predicting. A replica's salt
-        applies only while its requests arrive in bursts (:attr:`bursts`).
+        applies only while its requests arrive in bursts (:attr:`bursts`), the weights
+        only while the fleet has slack (:attr:`KvAwareConfig.slack_queue_s`).
         """
         tie_key = block_hashes[-1] if block_hashes else prompt_tokens
         config = self.config
-        weighted = bool(config.recompute_weight or config.home_weight)
+        weighted = self._weighted and self._has_slack(workers)
         salt = self._salt_now()
         whole = self.small_fleet
-        if weighted:
-            whole = min(whole, SMALL_WEIGHTED_FLEET)
-        elif salt is not None:
-            whole = min(whole, SMALL_SALTED_FLEET)
+        if salt is not None:
+            whole = min(whole, SMALL_WEIGHTED_FLEET if weighted else SMALL_SALTED_FLEET)
         if len(workers) <= whole:
             fleet = self._whole_fleet(workers, block_hashes, prompt_tokens, block_size, now)
-            if not weighted and salt is None:
-                return _choose_whole(fleet, tie_key)
+            if salt is None:
+                if not weighted:
+                    return _choose_whole(fleet, tie_key)
+                deepest = fleet.deepest() if self.future is not None else []
+                weight = self._weight(deepest, block_size, prompt_tokens, now)
+                return _choose_whole_weighted(fleet, tie_key, prompt_tokens, config, weight)
             scored = fleet.scored()
         else:
             candidates = self._candidates(workers, block_hashes, now, tie_key, salt is not None)
             scored = self._score(candidates, prompt_tokens, block_size, now)
+        if not weighted:
+            return _choose(scored, tie_key, prompt_tokens, self._ttft_only, 0.0, salt)
         weight = self._weight(scored, block_size, prompt_tokens, now)
-        return _choose(scored, tie_key, prompt_tokens, self.config, weight, salt)
+        return _choose(scored, tie_key, prompt_tokens, config, weight, salt)
+
+    def _has_slack(self, workers: Sequence[WorkerLoad]) -> bool:
+        """Whether the mean worker's guarded prefill is short enough for the weights to
+        apply (``slack_queue_s``)."""
+        mean_tokens = guarded_prefill_tokens(workers) / len(workers)
+        return self.config.prefill_s(mean_tokens) <= self.config.slack_queue_s
 
     def _score(
         self,
@@ -836,8 +943,7 @@ class KvAwareRouting:
         base, future = self.config.recompute_weight, self.future
         if future is None:  # no weight, or no discount
             return base
-        held = {w.worker_id: self.index.num_blocks(w.worker_id) for w, _, c in scored if c}
-        return future.weight(base, scored, held, block_size, prompt_tokens, now)
+        return future.weight(base, scored, self.index.num_blocks, block_size, prompt_tokens, now)
 
     def _lightest_holders(
         self, members: int, eligible: Mapping[str, WorkerLoad], now: float, tie_key: int
