@@ -442,6 +442,26 @@ group = st.tuples(
 )
 
 
+def whole_fleet_of(
+    groups: list[tuple[float, int, list[tuple[float, int, int]]]],
+    apart: list[tuple[float, int, int]],
+) -> _WholeFleet:
+    """Generated groups (prefill seconds, cached tokens, (term, requests, tokens) per
+    member) and holders apart ((TTFT, cached tokens, tokens)) as a whole fleet."""
+    names = iter(range(10**6))
+
+    def load(requests: int, tokens: int) -> WorkerLoad:
+        return WorkerLoad(f"w{next(names)}", requests, tokens)
+
+    return _WholeFleet(
+        [
+            (prefill_s, cached, [t for t, _, _ in members], [load(r, k) for _, r, k in members])
+            for prefill_s, cached, members in groups
+        ],
+        [(load(1, k), ttft, cached) for ttft, cached, k in apart],
+    )
+
+
 @settings(max_examples=500, deadline=None)
 @given(
     groups=st.lists(group, min_size=1, max_size=4),
@@ -456,18 +476,7 @@ def test_a_whole_fleets_choice_from_its_groups_equals_the_choice_from_every_scor
     """Load terms and TTFTs within nanoseconds of each other, across groups and apart:
     the groups' shortcut (the smallest per group, a loose count) picks exactly what
     ranking every worker's score picks, ties and their rendezvous included."""
-    names = iter(range(10**6))
-
-    def load(requests: int, tokens: int) -> WorkerLoad:
-        return WorkerLoad(f"w{next(names)}", requests, tokens)
-
-    fleet = _WholeFleet(
-        [
-            (prefill_s, cached, [t for t, _, _ in members], [load(r, k) for _, r, k in members])
-            for prefill_s, cached, members in groups
-        ],
-        [(load(1, k), ttft, cached) for ttft, cached, k in apart],
-    )
+    fleet = whole_fleet_of(groups, apart)
     scored = fleet.scored()
     if not scored:
         return
@@ -494,19 +503,8 @@ def test_a_whole_fleets_weighted_choice_from_its_groups_equals_the_choice_from_e
     """With a recompute weight or a home term, the groups' shortcut (a group's smallest
     score from its smallest load term, only near groups scored per worker) picks exactly
     what ranking every worker's score picks."""
-    names = iter(range(10**6))
     config = dataclasses.replace(CONFIG, home_weight=home)
-
-    def load(requests: int, tokens: int) -> WorkerLoad:
-        return WorkerLoad(f"w{next(names)}", requests, tokens)
-
-    fleet = _WholeFleet(
-        [
-            (prefill_s, cached, [t for t, _, _ in members], [load(r, k) for _, r, k in members])
-            for prefill_s, cached, members in groups
-        ],
-        [(load(1, k), ttft, cached) for ttft, cached, k in apart],
-    )
+    fleet = whole_fleet_of(groups, apart)
     scored = fleet.scored()
     if not scored:
         return

@@ -185,34 +185,24 @@ def test_cli_refuses_an_unknown_policy() -> None:
     assert completed.returncode != 0 and "unknown policy" in completed.stderr
 
 
-def test_cli_takes_kv_aware_recompute_weight_and_refuses_a_negative_one() -> None:
+@pytest.mark.parametrize(
+    ("flag", "good", "reason"),
+    [
+        ("--kv-aware-recompute-weight", "0", "recompute_weight must be >= 0"),
+        ("--kv-aware-home-weight", "3", "home_weight must be >= 0"),
+        ("--kv-aware-slack-queue", "inf", "slack_queue_s must be >= 0"),
+    ],
+)
+def test_cli_takes_a_kv_aware_weight_and_refuses_a_negative_one(
+    flag: str, good: str, reason: str
+) -> None:
     args = ["--workers", "2", "--cache-tokens", "100000", "--policy", "kv_aware"]
     args += ["--profile", "tiny", "--json"]
-    completed = run_simulate(*args, "--kv-aware-recompute-weight", "0")
+    completed = run_simulate(*args, flag, good)
     assert completed.returncode == 0, completed.stderr
     assert json.loads(completed.stdout)[0]["requests"] == 6
-    refused = run_simulate(*args, "--kv-aware-recompute-weight", "-1")
-    assert refused.returncode != 0 and "recompute_weight must be >= 0" in refused.stderr
-
-
-def test_cli_takes_kv_aware_home_weight_and_refuses_a_negative_one() -> None:
-    args = ["--workers", "2", "--cache-tokens", "100000", "--policy", "kv_aware"]
-    args += ["--profile", "tiny", "--json", "--kv-aware-recompute-weight", "8"]
-    completed = run_simulate(*args, "--kv-aware-home-weight", "3")
-    assert completed.returncode == 0, completed.stderr
-    assert json.loads(completed.stdout)[0]["requests"] == 6
-    refused = run_simulate(*args, "--kv-aware-home-weight", "-1")
-    assert refused.returncode != 0 and "home_weight must be >= 0" in refused.stderr
-
-
-def test_cli_takes_kv_aware_slack_queue_and_refuses_a_negative_one() -> None:
-    args = ["--workers", "2", "--cache-tokens", "100000", "--policy", "kv_aware"]
-    args += ["--profile", "tiny", "--json"]
-    completed = run_simulate(*args, "--kv-aware-slack-queue", "inf")
-    assert completed.returncode == 0, completed.stderr
-    assert json.loads(completed.stdout)[0]["requests"] == 6
-    refused = run_simulate(*args, "--kv-aware-slack-queue", "-1")
-    assert refused.returncode != 0 and "slack_queue_s must be >= 0" in refused.stderr
+    refused = run_simulate(*args, flag, "-1")
+    assert refused.returncode != 0 and reason in refused.stderr
 
 
 def test_cli_names_the_arrival_rate_it_simulated() -> None:
