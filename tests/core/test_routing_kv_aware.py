@@ -202,3 +202,14 @@ def test_bad_config_is_refused() -> None:
         KvAwareConfig(prefill_token_s=0.0)
     with pytest.raises(ValueError):
         KvAwareConfig(speculative_ttl_s=-1.0)
+
+
+@pytest.mark.parametrize("attention_pair_s", [0.0, 1.06e-9])
+@pytest.mark.parametrize("seconds", [0.0, 0.05, 0.4, 3.0])
+def test_tokens_within_inverts_the_prefill_time(attention_pair_s: float, seconds: float) -> None:
+    """What the slack test compares the guarded tokens against: the tokens whose prefill
+    takes the slack."""
+    config = dataclasses.replace(CONFIG, attention_pair_s=attention_pair_s)
+    tokens = config.tokens_within(seconds)
+    assert config.prefill_s(tokens) == pytest.approx(seconds, abs=1e-12)
+    assert config.tokens_within(float("inf")) == float("inf")

@@ -20,6 +20,7 @@ from kvserve.core.routing.kv_aware import (
     _choose,
     _choose_whole,
     _choose_whole_weighted,
+    _deepest_holders,
     _ttft,
     _WholeFleet,
     lowest_ttft,
@@ -510,10 +511,9 @@ def test_a_whole_fleets_weighted_choice_from_its_groups_equals_the_choice_from_e
         return
     expected = _choose(scored, tie_key, prompt_tokens, config, weight)
     assert _choose_whole_weighted(fleet, tie_key, prompt_tokens, config, weight) == expected
-    deepest = max(cached for _, _, cached in scored)
     by_worker = lambda s: s[0].worker_id  # noqa: E731
-    assert sorted(fleet.deepest(), key=by_worker) == sorted(
-        [s for s in scored if s[2] == deepest], key=by_worker
+    assert sorted(fleet.deepest_holders(), key=by_worker) == sorted(
+        _deepest_holders(scored), key=by_worker
     )
 
 

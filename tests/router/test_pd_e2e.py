@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import select
+import signal
 import socket
 import threading
 import time
@@ -454,9 +455,34 @@ def test_decode_worker_killed_mid_transfer(fleet: Fleet) -> None:
         assert complete(fleet.router.url, words(tag, 100)).status_code == 200
 
 
+def _frozen_before_its_kv_arrived(fleet: Fleet) -> ServerProcess | None:
+    """A decode worker reserving for a request whose prefill worker is now stopped
+    (SIGSTOP) before the decode worker got its KV: it runs nothing yet. Where the KV had
+    arrived (a short transfer done between the poll and the stop, on a loaded box), the
+    prefill worker goes on and None is returned: killing it then would find the request
+    served remotely, not the fallback this asks for."""
+    decode = _reserving_decode(fleet)
+    if decode is None:
+        return None
+    os.killpg(fleet.prefill.process.pid, signal.SIGSTOP)
+    time.sleep(0.2)  # bytes sent before the stop land, and are installed
+    state = load(decode)
+    if state["running"] == 0 and state["free_blocks"] + state["cached_blocks"] < NUM_BLOCKS:
+        return decode
+    os.killpg(fleet.prefill.process.pid, signal.SIGCONT)
+    return None
+
+
 def test_prefill_worker_killed_mid_request(fleet: Fleet) -> None:
-    thread, result, _ = _catch_mid_transfer(fleet, "pkill")
-    fleet.prefill.kill()
+    started: list[tuple[threading.Thread, list[Any]]] = []
+
+    def attempt(n: int) -> Callable[[], bool]:
+        started.append(_in_background(fleet.router.url, _long_prompt(f"pkill{n}")))
+        return lambda: not started[-1][0].is_alive()
+
+    _catch(attempt, lambda: _frozen_before_its_kv_arrived(fleet))
+    thread, result = started[-1]
+    fleet.prefill.kill()  # stopped mid-request: the kill finds it there
     thread.join(60)
     assert result[0].status_code == 200  # the decode worker prefilled it itself
     assert_served_by(fleet, result[0], "fallback", prefill_worker=False)

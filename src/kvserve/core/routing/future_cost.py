@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from kvserve.core.kv_events import KVEvent
@@ -177,33 +177,30 @@ class FutureCost:
     def weight(
         self,
         base: float,
-        scored: Sequence[tuple[WorkerLoad, float, int]],
+        deepest_holders: Iterable[tuple[WorkerLoad, float]],
         held_blocks: Callable[[str], int],
         block_size: int,
         prompt_tokens: int,
         now: float,
     ) -> float:
-        """``scored`` is (worker, predicted TTFT, cached tokens) per candidate (the deepest
-        are enough), ``held_blocks`` the device blocks (of ``block_size`` tokens) a worker
-        holds. The best chance among the deepest holders counts: the rule would keep the
-        request on that one. A chance is at most 1, so the first holder with a whole
-        chance (one whose cache has evicted nothing lately) ends the search: a popular
-        prefix's 20 holders each read their eviction rate otherwise, a quarter of a
-        100-worker decision."""
-        if not base or not scored:
+        """``deepest_holders`` is (worker, predicted TTFT) per candidate holding the
+        deepest match (none: no candidate holds any of the prompt), ``held_blocks`` the
+        device blocks (of ``block_size`` tokens) a worker holds. The best chance among
+        them counts: the rule would keep the request on that one. A chance is at most 1,
+        so the first holder with a whole chance (one whose cache has evicted nothing
+        lately) ends the search, and the holders are read no further: a popular prefix's
+        20 holders each read their eviction rate otherwise, a quarter of a 100-worker
+        decision."""
+        if not base:
             return base
-        deepest = max(c for _, _, c in scored)
-        if deepest == 0:
-            return base
-        chance = 0.0
-        for worker, ttft_s, cached in scored:
-            if cached != deepest:
-                continue
+        chance = None
+        for worker, ttft_s in deepest_holders:
             held = held_blocks(worker.worker_id)
-            chance = max(chance, self._chance(worker, ttft_s, held, block_size, prompt_tokens, now))
+            mine = self._chance(worker, ttft_s, held, block_size, prompt_tokens, now)
+            chance = mine if chance is None else max(chance, mine)
             if chance >= 1.0:
                 break
-        return base * chance
+        return base if chance is None else base * chance
 
     def _chance(
         self,

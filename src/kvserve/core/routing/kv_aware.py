@@ -118,7 +118,7 @@ reference rule, cheaper there).
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Container, Iterable, Mapping, Sequence
+from collections.abc import Callable, Container, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 from operator import itemgetter
 from typing import Any, NamedTuple
@@ -271,6 +271,16 @@ class KvAwareConfig:
         }
         return cls(**(fields | overrides))
 
+    def tokens_within(self, seconds: float) -> float:
+        """The prompt tokens (of an empty cache) whose prefill takes ``seconds``: the
+        inverse of :meth:`prefill_s`, whose cost ``a × n + b × n × (n + 1) / 2`` grows
+        with ``n``."""
+        a, b = self.prefill_token_s, self.attention_pair_s
+        if math.isinf(seconds) or not b:
+            return seconds / a
+        linear = a + b / 2
+        return (math.sqrt(linear * linear + 2 * b * seconds) - linear) / b
+
     def prefill_s(self, num_tokens: float, cached_tokens: float = 0) -> float:
         """Seconds to compute ``num_tokens`` prompt tokens after ``cached_tokens`` (a
         mean worker's may be fractional)."""
@@ -418,6 +428,16 @@ def lowest_ttft(
     return _choose(scored, tie_key, prompt_tokens, config)
 
 
+def _deepest_holders(
+    scored: Sequence[tuple[WorkerLoad, float, int]],
+) -> Iterator[tuple[WorkerLoad, float]]:
+    """Of (worker, TTFT, cached tokens): the (worker, TTFT) of those matched deepest, if
+    any holds some of the prompt."""
+    deepest = max(map(itemgetter(2), scored))
+    if deepest:
+        yield from ((w, ttft) for w, ttft, cached in scored if cached == deepest)
+
+
 def _choose(
     scored: Sequence[tuple[WorkerLoad, float, int]],
     tie_key: int,
@@ -493,17 +513,19 @@ class _WholeFleet(NamedTuple):
     groups: list[tuple[float, int, list[float], list[WorkerLoad]]]
     apart: list[tuple[WorkerLoad, float, int]]  # holders with a host or storage block
 
-    def deepest(self) -> list[tuple[WorkerLoad, float, int]]:
-        """The (worker, TTFT, cached tokens) of the workers matched deepest: what the
-        discount of the recompute weight reads (:meth:`FutureCost.weight`)."""
+    def deepest_holders(self) -> Iterator[tuple[WorkerLoad, float]]:
+        """The (worker, TTFT) of the workers matched deepest, if any holds some of the
+        prompt: what the discount of the recompute weight reads (:meth:`FutureCost.weight`),
+        one at a time, as it stops at the first whole chance."""
         groups, apart = self
         deepest = max([c for _, c, terms, _ in groups if terms] + [s[2] for s in apart])
-        chosen = [s for s in apart if s[2] == deepest]
+        if not deepest:
+            return
+        yield from ((w, ttft) for w, ttft, cached in apart if cached == deepest)
         for prefill_s, cached, terms, workers in groups:
             if cached == deepest:
-                pairs = zip(terms, workers, strict=True)
-                chosen += [(w, term + prefill_s, cached) for term, w in pairs]
-        return chosen
+                for term, worker in zip(terms, workers, strict=True):
+                    yield worker, term + prefill_s
 
     def scored(self) -> list[tuple[WorkerLoad, float, int]]:
         """Every worker's (worker, TTFT, cached tokens), as :func:`_choose` reads them."""
@@ -619,17 +641,32 @@ def _choose_whole_weighted(
     a term further than the gap to the lowest above its group's smallest is passed over
     unscored."""
     groups, apart = fleet
-    deepest = max([c for _, c, terms, _ in groups if terms] + [s[2] for s in apart])
+    deepest = 0
+    for _, cached, terms, _ in groups:
+        if terms and cached > deepest:
+            deepest = cached
+    for _, _, cached in apart:
+        if cached > deepest:
+            deepest = cached
     score = _scorer(deepest, prompt_tokens, config, weight)
-    apart_scores = [score(ttft, cached) for _, ttft, cached in apart]
-    least_terms = [min(terms) if terms else math.inf for _, _, terms, _ in groups]
-    minima = [
-        score(least + prefill_s, cached) if terms else math.inf
-        for (prefill_s, cached, terms, _), least in zip(groups, least_terms, strict=True)
-    ]
-    near_s = min(minima + apart_scores) + 2e-9
+    # (a loop over the few groups, not comprehensions: each of those is a call)
+    lowest_s = math.inf
+    minima: list[tuple[float, float]] = []  # (smallest score, smallest term) per group
+    for prefill_s, cached, terms, _ in groups:
+        if terms:
+            least_term = min(terms)
+            least = score(least_term + prefill_s, cached)
+            if least < lowest_s:
+                lowest_s = least
+        else:
+            least = least_term = math.inf
+        minima.append((least, least_term))
+    apart_scores = [score(ttft, cached) for _, ttft, cached in apart] if apart else []
+    if apart_scores:
+        lowest_s = min(lowest_s, *apart_scores)
+    near_s = lowest_s + 2e-9
     near = [(s, value) for s, value in zip(apart, apart_scores, strict=True) if value <= near_s]
-    for group, least, least_term in zip(groups, minima, least_terms, strict=True):
+    for group, (least, least_term) in zip(groups, minima, strict=True):
         if least > near_s:
             continue
         prefill_s, cached, terms, workers = group
@@ -640,6 +677,8 @@ def _choose_whole_weighted(
                 value = score(ttft, cached)
                 if value <= near_s:
                     near.append(((worker, ttft, cached), value))
+    if len(near) == 1:  # most decisions: nothing to rank
+        return _chosen([near[0][0]], deepest, tie_key)
     ranks = [(round(value, 9), s[0].sort_key) for s, value in near]
     lowest = min(ranks)
     tied = [s for (s, _), rank in zip(near, ranks, strict=True) if rank == lowest]
@@ -675,6 +714,7 @@ class KvAwareRouting:
         # a weight applies only while the fleet has slack; without, the same costs rank
         self._weighted = bool(config.recompute_weight or config.home_weight)
         self._ttft_only = replace(config, recompute_weight=0.0, home_weight=0.0)
+        self._slack_tokens = config.tokens_within(config.slack_queue_s)
         self.index = index if index is not None else KVBlockIndex(config.index_max_entries)
         self.loads = LoadOrder(
             config.prefill_s, config.decode_request_s, self.index.slot, len(TIERS)
@@ -777,8 +817,7 @@ class KvAwareRouting:
             if salt is None:
                 if not weighted:
                     return _choose_whole(fleet, tie_key)
-                deepest = fleet.deepest() if self.future is not None else []
-                weight = self._weight(deepest, block_size, prompt_tokens, now)
+                weight = self._weight(fleet.deepest_holders, block_size, prompt_tokens, now)
                 return _choose_whole_weighted(fleet, tie_key, prompt_tokens, config, weight)
             scored = fleet.scored()
         else:
@@ -786,14 +825,13 @@ class KvAwareRouting:
             scored = self._score(candidates, prompt_tokens, block_size, now)
         if not weighted:
             return _choose(scored, tie_key, prompt_tokens, self._ttft_only, 0.0, salt)
-        weight = self._weight(scored, block_size, prompt_tokens, now)
+        weight = self._weight(lambda: _deepest_holders(scored), block_size, prompt_tokens, now)
         return _choose(scored, tie_key, prompt_tokens, config, weight, salt)
 
     def _has_slack(self, workers: Sequence[WorkerLoad]) -> bool:
         """Whether the mean worker's guarded prefill is short enough for the weights to
-        apply (``slack_queue_s``)."""
-        mean_tokens = guarded_prefill_tokens(workers) / len(workers)
-        return self.config.prefill_s(mean_tokens) <= self.config.slack_queue_s
+        apply (``slack_queue_s``), as tokens: no prefill time computed per decision."""
+        return guarded_prefill_tokens(workers) <= self._slack_tokens * len(workers)
 
     def _score(
         self,
@@ -934,16 +972,18 @@ class KvAwareRouting:
 
     def _weight(
         self,
-        scored: Sequence[tuple[WorkerLoad, float, int]],
+        deepest_holders: Callable[[], Iterable[tuple[WorkerLoad, float]]],
         block_size: int,
         prompt_tokens: int,
         now: float,
     ) -> float:
-        """The recompute weight for this decision, discounted by holder pressure."""
+        """The recompute weight for this decision, discounted by holder pressure: the
+        (worker, TTFT) of the candidates matched deepest, read only for a discount."""
         base, future = self.config.recompute_weight, self.future
         if future is None:  # no weight, or no discount
             return base
-        return future.weight(base, scored, self.index.num_blocks, block_size, prompt_tokens, now)
+        holders = deepest_holders()
+        return future.weight(base, holders, self.index.num_blocks, block_size, prompt_tokens, now)
 
     def _lightest_holders(
         self, members: int, eligible: Mapping[str, WorkerLoad], now: float, tie_key: int
