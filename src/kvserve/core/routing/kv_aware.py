@@ -671,15 +671,24 @@ def _choose_whole_weighted(
             continue
         prefill_s, cached, terms, workers = group
         bound = least_term + (near_s - least) + _TERM_SLACK_S
+        scores: dict[float, float] = {}  # TTFT -> score: idle workers share one
         for term, worker in zip(terms, workers, strict=True):
             if term <= bound:
                 ttft = term + prefill_s
-                value = score(ttft, cached)
+                value = scores.get(ttft)
+                if value is None:
+                    value = scores[ttft] = score(ttft, cached)
                 if value <= near_s:
                     near.append(((worker, ttft, cached), value))
     if len(near) == 1:  # most decisions: nothing to rank
         return _chosen([near[0][0]], deepest, tie_key)
-    ranks = [(round(value, 9), s[0].sort_key) for s, value in near]
+    values = [value for _, value in near]
+    keys = [s[0].sort_key for s, _ in near]
+    if min(values) == max(values):  # one score (idle workers, say): the sort key ranks
+        lowest_key = min(keys)
+        tied = [s for (s, _), key in zip(near, keys, strict=True) if key == lowest_key]
+        return _chosen(tied, deepest, tie_key)
+    ranks = [(round(value, 9), key) for value, key in zip(values, keys, strict=True)]
     lowest = min(ranks)
     tied = [s for (s, _), rank in zip(near, ranks, strict=True) if rank == lowest]
     return _chosen(tied, deepest, tie_key)
