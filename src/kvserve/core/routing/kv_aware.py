@@ -145,10 +145,10 @@ SALTED_LOAD_ROUNDS = 4
 SMALL_FLEET = 128
 # With a replica's salt and a recompute or home weight, a fleet's workers are scored one
 # by one (no grouped choice), and finding the few worth predicting costs less past this
-# many (instructions
-# per decision, routing_scale.py's fleet, 16-block prompts, weight 8 and home weight 3:
-# 20 workers 669k whole against 711k for the few, 30 workers 839k against 734k, 100
-# workers 2.20M against 0.72M)
+# many (instructions per decision, routing_scale.py's fleet, 16-block prompts, weight 8
+# and home weight 3, measured when every weighted decision took that path: 20 workers
+# 669k whole against 711k for the few, 30 workers 839k against 734k, 100 workers 2.20M
+# against 0.72M)
 SMALL_WEIGHTED_FLEET = 24
 # With a replica's salt and no weight, the same crossover lies further out: salted
 # candidates walk the load orders SALTED_LOAD_ROUNDS times (instructions per decision,
