@@ -510,9 +510,12 @@ def test_a_whole_fleets_weighted_choice_from_its_groups_equals_the_choice_from_e
     if not scored:
         return
     expected = _choose(scored, tie_key, prompt_tokens, config, weight)
-    assert _choose_whole_weighted(fleet, tie_key, prompt_tokens, config, weight) == expected
+    deepest = fleet.deepest()
+    assert deepest == max(cached for _, _, cached in scored)
+    chosen = _choose_whole_weighted(fleet, deepest, tie_key, prompt_tokens, config, weight)
+    assert chosen == expected
     by_worker = lambda s: s[0].worker_id  # noqa: E731
-    assert sorted(fleet.deepest_holders(), key=by_worker) == sorted(
+    assert sorted(fleet.deepest_holders(deepest), key=by_worker) == sorted(
         _deepest_holders(scored), key=by_worker
     )
 

@@ -402,17 +402,19 @@ def _in_background(url: str, prompt: str) -> tuple[threading.Thread, list[Any]]:
 
 
 def _catch_mid_transfer(
-    fleet: Fleet, tag: str
+    fleet: Fleet,
+    tag: str,
+    caught: Callable[[Fleet], ServerProcess | None] = _reserving_decode,
 ) -> tuple[threading.Thread, list[Any], ServerProcess]:
-    """A request to ``fleet``'s router, in the background, caught mid-transfer; the decode
-    worker it was caught on."""
+    """A request to ``fleet``'s router, in the background, caught mid-transfer (as
+    ``caught`` finds it); the decode worker it was caught on."""
     started: list[tuple[threading.Thread, list[Any]]] = []
 
     def attempt(n: int) -> Callable[[], bool]:
         started.append(_in_background(fleet.router.url, _long_prompt(f"{tag}{n}")))
         return lambda: not started[-1][0].is_alive()
 
-    decode = _catch(attempt, lambda: _reserving_decode(fleet))
+    decode = _catch(attempt, lambda: caught(fleet))
     return (*started[-1], decode)
 
 
@@ -474,14 +476,7 @@ def _frozen_before_its_kv_arrived(fleet: Fleet) -> ServerProcess | None:
 
 
 def test_prefill_worker_killed_mid_request(fleet: Fleet) -> None:
-    started: list[tuple[threading.Thread, list[Any]]] = []
-
-    def attempt(n: int) -> Callable[[], bool]:
-        started.append(_in_background(fleet.router.url, _long_prompt(f"pkill{n}")))
-        return lambda: not started[-1][0].is_alive()
-
-    _catch(attempt, lambda: _frozen_before_its_kv_arrived(fleet))
-    thread, result = started[-1]
+    thread, result, _ = _catch_mid_transfer(fleet, "pkill", _frozen_before_its_kv_arrived)
     fleet.prefill.kill()  # stopped mid-request: the kill finds it there
     thread.join(60)
     assert result[0].status_code == 200  # the decode worker prefilled it itself

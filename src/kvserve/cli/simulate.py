@@ -256,23 +256,18 @@ def register(app: typer.Typer) -> None:
             if prefill < 1 or decode < 1:
                 raise typer.BadParameter("--prefill and --decode must be >= 1")
             workers = prefill + decode
-        kv_aware_overrides = {}
-        if kv_aware_recompute_weight is not None:
-            kv_aware_overrides["recompute_weight"] = kv_aware_recompute_weight
-        if kv_aware_home_weight is not None:
-            kv_aware_overrides["home_weight"] = kv_aware_home_weight
-        if kv_aware_slack_queue is not None:
-            kv_aware_overrides["slack_queue_s"] = kv_aware_slack_queue
-        if kv_aware_retention_margin is not None:
-            kv_aware_overrides["retention_margin"] = kv_aware_retention_margin
-        if kv_aware_retention_window is not None:
-            kv_aware_overrides["retention_window_s"] = kv_aware_retention_window
-        if kv_aware_replica_spread is not None:
-            kv_aware_overrides["replica_spread_s"] = kv_aware_replica_spread
-        if kv_aware_replica_burst_window is not None:
-            kv_aware_overrides["replica_burst_window_s"] = kv_aware_replica_burst_window
-        if kv_aware_replica_stagger is not None:
-            kv_aware_overrides["replica_stagger_s"] = kv_aware_replica_stagger
+        # kv_aware's flags given (None: the policy's own default)
+        kv_aware_flags = {
+            "recompute_weight": kv_aware_recompute_weight,
+            "home_weight": kv_aware_home_weight,
+            "slack_queue_s": kv_aware_slack_queue,
+            "retention_margin": kv_aware_retention_margin,
+            "retention_window_s": kv_aware_retention_window,
+            "replica_spread_s": kv_aware_replica_spread,
+            "replica_burst_window_s": kv_aware_replica_burst_window,
+            "replica_stagger_s": kv_aware_replica_stagger,
+        }
+        kv_aware_overrides = {k: v for k, v in kv_aware_flags.items() if v is not None}
         try:
             cost = cost_profile(profile)
             config = SimConfig(

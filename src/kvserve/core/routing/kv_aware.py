@@ -513,14 +513,26 @@ class _WholeFleet(NamedTuple):
     groups: list[tuple[float, int, list[float], list[WorkerLoad]]]
     apart: list[tuple[WorkerLoad, float, int]]  # holders with a host or storage block
 
-    def deepest_holders(self) -> Iterator[tuple[WorkerLoad, float]]:
-        """The (worker, TTFT) of the workers matched deepest, if any holds some of the
-        prompt: what the discount of the recompute weight reads (:meth:`FutureCost.weight`),
-        one at a time, as it stops at the first whole chance."""
+    def deepest(self) -> int:
+        """The most cached tokens of any worker (loops over the few groups: a
+        comprehension is a call)."""
         groups, apart = self
-        deepest = max([c for _, c, terms, _ in groups if terms] + [s[2] for s in apart])
+        deepest = 0
+        for _, cached, terms, _ in groups:
+            if terms and cached > deepest:
+                deepest = cached
+        for _, _, cached in apart:
+            if cached > deepest:
+                deepest = cached
+        return deepest
+
+    def deepest_holders(self, deepest: int) -> Iterator[tuple[WorkerLoad, float]]:
+        """The (worker, TTFT) of the workers with ``deepest`` cached tokens (:meth:`deepest`),
+        if that is any: what the discount of the recompute weight reads
+        (:meth:`FutureCost.weight`), one at a time, as it stops at the first whole chance."""
         if not deepest:
             return
+        groups, apart = self
         yield from ((w, ttft) for w, ttft, cached in apart if cached == deepest)
         for prefill_s, cached, terms, workers in groups:
             if cached == deepest:
@@ -629,7 +641,12 @@ def _scorer(
 
 
 def _choose_whole_weighted(
-    fleet: _WholeFleet, tie_key: int, prompt_tokens: int, config: KvAwareConfig, weight: float
+    fleet: _WholeFleet,
+    deepest: int,
+    tie_key: int,
+    prompt_tokens: int,
+    config: KvAwareConfig,
+    weight: float,
 ) -> KvAwareChoice:
     """:func:`_choose` with a weight (no salt), from a whole fleet's groups: the same
     choice. A group's workers share their match, so their scores are in the order of
@@ -639,15 +656,8 @@ def _choose_whole_weighted(
     decision cost three times an unweighted one). A score grows at least as fast as its
     load term (the home term adds a share of the wait, the recompute term a constant), so
     a term further than the gap to the lowest above its group's smallest is passed over
-    unscored."""
+    unscored. ``deepest``: :meth:`_WholeFleet.deepest`."""
     groups, apart = fleet
-    deepest = 0
-    for _, cached, terms, _ in groups:
-        if terms and cached > deepest:
-            deepest = cached
-    for _, _, cached in apart:
-        if cached > deepest:
-            deepest = cached
     score = _scorer(deepest, prompt_tokens, config, weight)
     # (a loop over the few groups, not comprehensions: each of those is a call)
     lowest_s = math.inf
@@ -826,8 +836,13 @@ class KvAwareRouting:
             if salt is None:
                 if not weighted:
                     return _choose_whole(fleet, tie_key)
-                weight = self._weight(fleet.deepest_holders, block_size, prompt_tokens, now)
-                return _choose_whole_weighted(fleet, tie_key, prompt_tokens, config, weight)
+                deepest = fleet.deepest()
+                weight = self._weight(
+                    lambda: fleet.deepest_holders(deepest), block_size, prompt_tokens, now
+                )
+                return _choose_whole_weighted(
+                    fleet, deepest, tie_key, prompt_tokens, config, weight
+                )
             scored = fleet.scored()
         else:
             candidates = self._candidates(workers, block_hashes, now, tie_key, salt is not None)
