@@ -29,7 +29,7 @@ CONFIG = KvAwareConfig(
     retention_margin=1.0,
     retention_window_s=60.0,
     home_weight=0.0,  # the recompute weight alone
-    slack_queue_s=float("inf"),  # applied to every decision
+    recompute_slack_queue_s=float("inf"),  # applied to every decision
 )
 BLOCK = 16
 HASHES = tuple(range(100, 110))  # a 10-block prefix

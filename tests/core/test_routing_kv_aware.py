@@ -70,15 +70,18 @@ def test_recompute_weight_keeps_a_busy_holder_until_its_queue_outweighs_the_reco
     assert choice.reason == ("cache_hit" if chosen == "w0" else "load_spread")
 
 
-@pytest.mark.parametrize(("slack_queue_s", "chosen"), [(0.3, "w0"), (0.2, "w1"), (0.0, "w1")])
-def test_the_weights_apply_only_while_the_fleet_has_slack(
-    slack_queue_s: float, chosen: str
+@pytest.mark.parametrize(("slack_s", "chosen"), [(0.3, "w0"), (0.2, "w1"), (0.0, "w1")])
+def test_the_recompute_weight_applies_only_while_the_fleet_has_slack(
+    slack_s: float, chosen: str
 ) -> None:
     """The holder's 480 guarded tokens are 240 ms of prefill for the mean worker of two:
     with slack up to 300 ms the recompute weight keeps the request on the holder; up to
     200 ms or none, the fleet is too busy for it and TTFT alone sends it to w1, as with no
-    weight. A pool kept between decisions (its sum kept) decides as a list does."""
-    config = dataclasses.replace(CONFIG, recompute_weight=2.0, slack_queue_s=slack_queue_s)
+    weight. The home weight's bound plays no part. A pool kept between decisions (its sum
+    kept) decides as a list does."""
+    config = dataclasses.replace(
+        CONFIG, recompute_weight=2.0, recompute_slack_queue_s=slack_s, home_slack_queue_s=0.0
+    )
     for kept in (False, True):
         routing = KvAwareRouting(config)
         routing.index.apply("w0", KVEvent(1, "stored", "device", tuple(HASHES), None))
@@ -96,6 +99,20 @@ def busy_holder_of(blocks: int, queued_ms: float, config: KvAwareConfig) -> str:
     routing.queue.push("w0", queued_ms / 1000, now=0.0)
     loads = [WorkerLoad("w0", 1, round(queued_ms)), WorkerLoad("w1")]
     return routing.select(loads, HASHES, PROMPT, BLOCK, now=0.0).worker_id
+
+
+@pytest.mark.parametrize(("home_slack_s", "chosen"), [(0.006, "w1"), (0.004, "w0")])
+def test_the_home_weight_applies_only_while_the_fleet_has_its_own_slack(
+    home_slack_s: float, chosen: str
+) -> None:
+    """The case below (w0 faster by 6 ms, the home weight sends the request to w1): w0's
+    10 guarded tokens are 5 ms of prefill for the mean worker of two, so a home bound of
+    6 ms lets the home weight apply and one of 4 ms leaves TTFT alone to rank, whatever
+    the recompute weight's own (larger) bound."""
+    home = dataclasses.replace(
+        CONFIG, home_weight=3.0, home_slack_queue_s=home_slack_s, recompute_slack_queue_s=1.0
+    )
+    assert busy_holder_of(1, 10, home) == chosen
 
 
 def test_home_weight_starts_a_new_prefix_on_an_idle_worker_not_a_busy_holder_of_its_start() -> None:

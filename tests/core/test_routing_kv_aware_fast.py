@@ -39,7 +39,8 @@ CONFIG = KvAwareConfig(
     speculative_ttl_s=1.0,
     recompute_weight=3.0,  # a worker outside the candidates still cannot score lower
     home_weight=0.0,
-    slack_queue_s=float("inf"),  # the weights apply to every decision
+    home_slack_queue_s=float("inf"),  # the weights apply to every decision
+    recompute_slack_queue_s=float("inf"),
 )
 # no weight: a whole small fleet's choice is then made from its groups (_choose_whole)
 UNWEIGHTED = dataclasses.replace(CONFIG, recompute_weight=0.0)

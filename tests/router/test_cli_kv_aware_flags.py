@@ -13,7 +13,8 @@ from kvserve.cli import app
     [
         ("--kv-aware-recompute-weight", "-1", "recompute_weight must be >= 0"),
         ("--kv-aware-home-weight", "-1", "home_weight must be >= 0"),
-        ("--kv-aware-slack-queue", "-0.1", "slack_queue_s must be >= 0"),
+        ("--kv-aware-home-slack-queue", "-0.1", "home_slack_queue_s must be >= 0"),
+        ("--kv-aware-recompute-slack-queue", "-1", "recompute_slack_queue_s must be >= 0"),
         ("--kv-aware-retention-margin", "-0.5", "retention margin must be >= 0"),
         ("--kv-aware-retention-window", "0", "retention window must be > 0"),
         ("--kv-aware-replica-spread", "-0.01", "replica_spread_s must be >= 0"),
@@ -36,7 +37,8 @@ def test_help_lists_the_future_cost_flags() -> None:
     for flag in (
         "--kv-aware-recompute-weight",
         "--kv-aware-home-weight",
-        "--kv-aware-slack-queue",
+        "--kv-aware-home-slack-queue",
+        "--kv-aware-recompute-slack-queue",
         "--kv-aware-retention-margin",
         "--kv-aware-retention-window",
         "--kv-aware-replica-spread",

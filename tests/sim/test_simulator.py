@@ -190,7 +190,8 @@ def test_cli_refuses_an_unknown_policy() -> None:
     [
         ("--kv-aware-recompute-weight", "0", "recompute_weight must be >= 0"),
         ("--kv-aware-home-weight", "3", "home_weight must be >= 0"),
-        ("--kv-aware-slack-queue", "inf", "slack_queue_s must be >= 0"),
+        ("--kv-aware-home-slack-queue", "inf", "home_slack_queue_s must be >= 0"),
+        ("--kv-aware-recompute-slack-queue", "12", "recompute_slack_queue_s must be >= 0"),
     ],
 )
 def test_cli_takes_a_kv_aware_weight_and_refuses_a_negative_one(

@@ -185,11 +185,19 @@ def register(app: typer.Typer) -> None:
                 "recompute weight by the holder's share; default: the policy's own)."
             ),
         ] = None,
-        kv_aware_slack_queue: Annotated[
+        kv_aware_home_slack_queue: Annotated[
             float | None,
             _tuning(
-                "kv_aware: the recompute and home weights apply only while the mean "
-                "worker's guarded prefill is at most this many seconds; past it, TTFT "
+                "kv_aware: the home weight applies only while the mean worker's guarded "
+                "prefill is at most this many seconds (default: the policy's own; inf: "
+                "always)."
+            ),
+        ] = None,
+        kv_aware_recompute_slack_queue: Annotated[
+            float | None,
+            _tuning(
+                "kv_aware: the recompute weight applies only while the mean worker's "
+                "guarded prefill is at most this many seconds; past both bounds, TTFT "
                 "alone ranks (default: the policy's own; inf: always)."
             ),
         ] = None,
@@ -257,7 +265,8 @@ def register(app: typer.Typer) -> None:
             "replica_burst_window_s": kv_aware_replica_burst_window,
             "replica_stagger_s": kv_aware_replica_stagger,
             "home_weight": kv_aware_home_weight,
-            "slack_queue_s": kv_aware_slack_queue,
+            "home_slack_queue_s": kv_aware_home_slack_queue,
+            "recompute_slack_queue_s": kv_aware_recompute_slack_queue,
         }
         kv_aware_given: dict[str, Any] = {k: v for k, v in kv_aware_flags.items() if v is not None}
         try:

@@ -179,11 +179,19 @@ def register(app: typer.Typer) -> None:
                 "recompute weight by the holder's share; default: the policy's own)."
             ),
         ] = None,
-        kv_aware_slack_queue: Annotated[
+        kv_aware_home_slack_queue: Annotated[
             float | None,
             typer.Option(
-                help="kv_aware: the recompute and home weights apply only while the mean "
-                "worker's guarded prefill is at most this many seconds; past it, TTFT "
+                help="kv_aware: the home weight applies only while the mean worker's guarded "
+                "prefill is at most this many seconds (default: the policy's own; inf: "
+                "always)."
+            ),
+        ] = None,
+        kv_aware_recompute_slack_queue: Annotated[
+            float | None,
+            typer.Option(
+                help="kv_aware: the recompute weight applies only while the mean worker's "
+                "guarded prefill is at most this many seconds; past both bounds, TTFT "
                 "alone ranks (default: the policy's own; inf: always)."
             ),
         ] = None,
@@ -260,7 +268,8 @@ def register(app: typer.Typer) -> None:
         kv_aware_flags = {
             "recompute_weight": kv_aware_recompute_weight,
             "home_weight": kv_aware_home_weight,
-            "slack_queue_s": kv_aware_slack_queue,
+            "home_slack_queue_s": kv_aware_home_slack_queue,
+            "recompute_slack_queue_s": kv_aware_recompute_slack_queue,
             "retention_margin": kv_aware_retention_margin,
             "retention_window_s": kv_aware_retention_window,
             "replica_spread_s": kv_aware_replica_spread,

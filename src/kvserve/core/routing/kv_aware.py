@@ -73,16 +73,20 @@ Both weights trade this request's TTFT for later ones, which pays while the flee
 room to spare: an idle worker to make a new home of, a holder whose queue a kept request
 does not lengthen much. In a fleet already queueing, they keep requests on holders that
 cannot serve them soon (agent sessions at ×4 on 10 workers: mean TTFT 2.30 s with h 3
-and weight 8 against 1.35 s by TTFT alone). So they apply only while the fleet has slack:
-while the mean worker's guarded prefill (:func:`~kvserve.core.routing.pool_loads.
-guarded_prefill_tokens`, as prefill seconds) is at most ``slack_queue_s``; past it, a
-decision ranks by TTFT alone. Measured (docs/benchmarks.md, "Weights while the fleet has
-slack"): the defaults, h 3, weight 8 and 0.4 s of slack, keep cache_aware's hit rate at
-160 workers with a lower TTFT; on 10 workers they keep at least TTFT alone's hit rate
-(within 0.001) at a mean TTFT 1 % higher on the conversation trace, 7 % on agent sessions
-×4, 41–76 % on bursty system prompts (still half to three quarters of cache_aware's). A
-gate on the share of idle workers did not hold: the weights themselves idle workers by
-piling requests onto holders, which held it open.
+and weight 8 on every decision against 1.35 s by TTFT alone). So each applies only while
+the fleet has slack for it: while the mean worker's guarded prefill (:func:`~kvserve.core.
+routing.pool_loads.guarded_prefill_tokens`, as prefill seconds) is at most
+``home_slack_queue_s`` (0.4 s) for the home weight, ``recompute_slack_queue_s`` (10 s) for
+the recompute weight; past both, a decision ranks by TTFT alone. The home weight counts a
+wait several times, so it goes first; the recompute weight adds a constant per
+candidate, and it is what keeps a conversation's hits on a queueing fleet (the
+conversation trace ×4: hit rate 0.304 with one 0.4 s gate for both, 0.353 with these),
+stopping only once the fleet is saturated. Measured (docs/benchmarks.md, "A slack bound
+per weight"): the defaults, h 3, weight 10, 0.4 s and 10 s, keep cache_aware's hit rate
+(within 0.01) at a lower mean TTFT on every cell of the conversation, agent-session and
+bursty-prompt traces at ×1, ×2 and ×4 on 10 workers, and at 160 workers. A gate on the
+share of idle workers did not hold: the weights themselves idle workers by piling
+requests onto holders, which held it open.
 
 Ties (equal predictions) go to the less loaded worker, then by rendezvous hashing on the
 request's block chain rather than a per-process rotation: two router replicas with the
@@ -195,8 +199,8 @@ class KvAwareConfig:
     # Seconds of score per second of prefill a choice computes beyond what the deepest
     # holder would: what the recompute costs the requests queued behind it, discounted
     # by the holder's pressure (see the module docstring), applied while the fleet has
-    # slack (``slack_queue_s``). 0 ranks by this request's TTFT.
-    recompute_weight: float = 8.0
+    # slack (``recompute_slack_queue_s``). 0 ranks by this request's TTFT.
+    recompute_weight: float = 10.0
     # The weight is discounted by the deepest holder's chance of still holding the prefix
     # when the request runs there, from its cache's eviction rate averaged over
     # ``retention_window_s`` (see :mod:`kvserve.core.routing.future_cost`); margin 0: no
@@ -229,12 +233,16 @@ class KvAwareConfig:
     # the same load (see the module docstring). With it, the recompute weight is also
     # scaled by the deepest holder's share of the prompt. 0: neither.
     home_weight: float = 3.0
-    # The two weights above apply only while the fleet has slack: while the mean worker's
-    # guarded prefill (this router's guards and its peers' reports, in prefill seconds) is
-    # at most this many seconds. Past it, a decision ranks by TTFT alone: a fleet that
-    # busy has no idle worker to make a home of, and keeping requests on their holders
-    # there queues them (see the module docstring). ``inf``: the weights always apply.
-    slack_queue_s: float = 0.4
+    # Each weight applies only while the fleet has slack: while the mean worker's guarded
+    # prefill (this router's guards and its peers' reports, in prefill seconds) is at most
+    # this many seconds, for the home weight, and the next for the recompute weight. Past
+    # both, a decision ranks by TTFT alone. The home weight counts a candidate's wait
+    # several times, so it goes first: a fleet that busy has no idle worker to make a home
+    # of. The recompute weight adds a constant per candidate, which keeps a holder's hits
+    # through a queueing fleet and stops only where the whole fleet is saturated and
+    # holders cannot serve their requests soon (see the module docstring). ``inf``: always.
+    home_slack_queue_s: float = 0.4
+    recompute_slack_queue_s: float = 10.0
 
     def __post_init__(self) -> None:
         values = (
@@ -258,8 +266,10 @@ class KvAwareConfig:
             raise ValueError("replica_stagger_s must be >= 0")
         if self.home_weight < 0:
             raise ValueError("home_weight must be >= 0")
-        if not self.slack_queue_s >= 0:
-            raise ValueError("slack_queue_s must be >= 0")
+        if not self.home_slack_queue_s >= 0:
+            raise ValueError("home_slack_queue_s must be >= 0")
+        if not self.recompute_slack_queue_s >= 0:
+            raise ValueError("recompute_slack_queue_s must be >= 0")
         HolderPressure(self.retention_margin, self.retention_window_s)  # validates
 
     @classmethod
@@ -733,7 +743,11 @@ class KvAwareRouting:
         # a weight applies only while the fleet has slack; without, the same costs rank
         self._weighted = bool(config.recompute_weight or config.home_weight)
         self._ttft_only = replace(config, recompute_weight=0.0, home_weight=0.0)
-        self._slack_tokens = config.tokens_within(config.slack_queue_s)
+        self._recompute_only = replace(config, home_weight=0.0)
+        self._home_only = replace(config, recompute_weight=0.0)
+        # the slack bounds as tokens: no prefill time computed per decision
+        self._home_slack_tokens = config.tokens_within(config.home_slack_queue_s)
+        self._recompute_slack_tokens = config.tokens_within(config.recompute_slack_queue_s)
         self.index = index if index is not None else KVBlockIndex(config.index_max_entries)
         self.loads = LoadOrder(
             config.prefill_s, config.decode_request_s, self.index.slot, len(TIERS)
@@ -821,12 +835,12 @@ class KvAwareRouting:
         of up to ``small_fleet`` workers (with a replica's salt ``SMALL_SALTED_FLEET``,
         or ``SMALL_WEIGHTED_FLEET`` with a weight too) is predicted whole: the reference
         rule, cheaper there than finding the few worth predicting. A replica's salt
-        applies only while its requests arrive in bursts (:attr:`bursts`), the weights
-        only while the fleet has slack (:attr:`KvAwareConfig.slack_queue_s`).
+        applies only while its requests arrive in bursts (:attr:`bursts`), each weight
+        only while the fleet has slack for it (:meth:`_weights_now`).
         """
         tie_key = block_hashes[-1] if block_hashes else prompt_tokens
-        config = self.config
-        weighted = self._weighted and self._has_slack(workers)
+        config = self._weights_now(workers) if self._weighted else self._ttft_only
+        weighted = config is not self._ttft_only
         salt = self._salt_now()
         whole = self.small_fleet
         if salt is not None:
@@ -838,7 +852,7 @@ class KvAwareRouting:
                     return _choose_whole(fleet, tie_key)
                 deepest = fleet.deepest()
                 weight = self._weight(
-                    lambda: fleet.deepest_holders(deepest), block_size, prompt_tokens, now
+                    config, lambda: fleet.deepest_holders(deepest), block_size, prompt_tokens, now
                 )
                 return _choose_whole_weighted(
                     fleet, deepest, tie_key, prompt_tokens, config, weight
@@ -849,13 +863,23 @@ class KvAwareRouting:
             scored = self._score(candidates, prompt_tokens, block_size, now)
         if not weighted:
             return _choose(scored, tie_key, prompt_tokens, self._ttft_only, 0.0, salt)
-        weight = self._weight(lambda: _deepest_holders(scored), block_size, prompt_tokens, now)
+        weight = self._weight(
+            config, lambda: _deepest_holders(scored), block_size, prompt_tokens, now
+        )
         return _choose(scored, tie_key, prompt_tokens, config, weight, salt)
 
-    def _has_slack(self, workers: Sequence[WorkerLoad]) -> bool:
-        """Whether the mean worker's guarded prefill is short enough for the weights to
-        apply (``slack_queue_s``), as tokens: no prefill time computed per decision."""
-        return guarded_prefill_tokens(workers) <= self._slack_tokens * len(workers)
+    def _weights_now(self, workers: Sequence[WorkerLoad]) -> KvAwareConfig:
+        """The config whose weights apply to this decision: each weight kept while the
+        mean worker's guarded prefill is within its slack bound
+        (:attr:`KvAwareConfig.home_slack_queue_s`, :attr:`KvAwareConfig.
+        recompute_slack_queue_s`), the others set to 0; ``_ttft_only`` when none is."""
+        guarded = guarded_prefill_tokens(workers)
+        count = len(workers)
+        home = guarded <= self._home_slack_tokens * count
+        recompute = guarded <= self._recompute_slack_tokens * count
+        if home:
+            return self.config if recompute else self._home_only
+        return self._recompute_only if recompute else self._ttft_only
 
     def _score(
         self,
@@ -996,15 +1020,16 @@ class KvAwareRouting:
 
     def _weight(
         self,
+        config: KvAwareConfig,
         deepest_holders: Callable[[], Iterable[tuple[WorkerLoad, float]]],
         block_size: int,
         prompt_tokens: int,
         now: float,
     ) -> float:
-        """The recompute weight for this decision, discounted by holder pressure: the
-        (worker, TTFT) of the candidates matched deepest, read only for a discount."""
-        base, future = self.config.recompute_weight, self.future
-        if future is None:  # no weight, or no discount
+        """``config``'s recompute weight for this decision, discounted by holder pressure:
+        the (worker, TTFT) of the candidates matched deepest, read only for a discount."""
+        base, future = config.recompute_weight, self.future
+        if future is None or not base:  # no weight, or no discount
             return base
         holders = deepest_holders()
         return future.weight(base, holders, self.index.num_blocks, block_size, prompt_tokens, now)
