@@ -80,9 +80,9 @@ routing.pool_loads.guarded_prefill_tokens`, as prefill seconds) is at most
 the recompute weight; past both, a decision ranks by TTFT alone. The home weight counts a
 wait several times, so it goes first; the recompute weight adds a constant per
 candidate, and it is what keeps a conversation's hits on a queueing fleet (the
-conversation trace ×4: hit rate 0.304 with one 0.4 s gate for both, 0.353 with these),
+conversation trace ×4: hit rate 0.304 with one 0.4 s gate for both, 0.352 with these),
 stopping only once the fleet is saturated. Measured (docs/benchmarks.md, "A slack bound
-per weight"): the defaults, h 3, weight 10, 0.4 s and 10 s, keep cache_aware's hit rate
+per weight"): the defaults, h 3, weight 9, 0.4 s and 10 s, keep cache_aware's hit rate
 (within 0.01) at a lower mean TTFT on every cell of the conversation, agent-session and
 bursty-prompt traces at ×1, ×2 and ×4 on 10 workers, and at 160 workers. A gate on the
 share of idle workers did not hold: the weights themselves idle workers by piling
@@ -200,7 +200,7 @@ class KvAwareConfig:
     # holder would: what the recompute costs the requests queued behind it, discounted
     # by the holder's pressure (see the module docstring), applied while the fleet has
     # slack (``recompute_slack_queue_s``). 0 ranks by this request's TTFT.
-    recompute_weight: float = 10.0
+    recompute_weight: float = 9.0
     # The weight is discounted by the deepest holder's chance of still holding the prefix
     # when the request runs there, from its cache's eviction rate averaged over
     # ``retention_window_s`` (see :mod:`kvserve.core.routing.future_cost`); margin 0: no
