@@ -115,6 +115,23 @@ def test_the_home_weight_applies_only_while_the_fleet_has_its_own_slack(
     assert busy_holder_of(1, 10, home) == chosen
 
 
+@pytest.mark.parametrize(("home", "recompute"), [(3.0, 0.0), (0.0, 2.0)])
+def test_a_decision_past_the_one_weights_bound_is_unweighted_when_the_other_weight_is_0(
+    home: float, recompute: float
+) -> None:
+    """Only one weight set, and the fleet past that weight's bound but within the other's:
+    no weight applies, so the decision takes the unweighted paths (the TTFT-only config),
+    not a weighted path with both weights 0."""
+    bounds = {"home_slack_queue_s": 0.001, "recompute_slack_queue_s": 1.0}
+    if recompute:
+        bounds = {"home_slack_queue_s": 1.0, "recompute_slack_queue_s": 0.001}
+    config = dataclasses.replace(CONFIG, home_weight=home, recompute_weight=recompute, **bounds)
+    routing = KvAwareRouting(config)
+    loads = [WorkerLoad("w0", 1, 100), WorkerLoad("w1")]  # 50 ms for the mean worker
+    assert routing._weights_now(loads) is routing._ttft_only
+    assert routing._weights_now(idle("w0", "w1")) is routing.config
+
+
 def test_home_weight_starts_a_new_prefix_on_an_idle_worker_not_a_busy_holder_of_its_start() -> None:
     """w0 holds the first block (a shared system prompt) and has 10 ms queued: it is 6 ms
     faster for this request (159 against 165 ms), but the 149 tokens computed there make

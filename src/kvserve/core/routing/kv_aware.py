@@ -743,8 +743,14 @@ class KvAwareRouting:
         # a weight applies only while the fleet has slack; without, the same costs rank
         self._weighted = bool(config.recompute_weight or config.home_weight)
         self._ttft_only = replace(config, recompute_weight=0.0, home_weight=0.0)
-        self._recompute_only = replace(config, home_weight=0.0)
-        self._home_only = replace(config, recompute_weight=0.0)
+        # one weight alone, or the TTFT-only config where that weight is 0: a decision
+        # whose config carries no weight takes the unweighted paths
+        self._recompute_only = (
+            replace(config, home_weight=0.0) if config.recompute_weight else self._ttft_only
+        )
+        self._home_only = (
+            replace(config, recompute_weight=0.0) if config.home_weight else self._ttft_only
+        )
         # the slack bounds as tokens: no prefill time computed per decision
         self._home_slack_tokens = config.tokens_within(config.home_slack_queue_s)
         self._recompute_slack_tokens = config.tokens_within(config.recompute_slack_queue_s)
