@@ -19,6 +19,11 @@ Load is a closed loop of ``--concurrency`` users, or open-loop Poisson arrivals 
 ``--rate`` requests per second, as traffic reaches a fleet (a closed loop starts with a
 synchronized burst on empty caches whose cold prefills set p99 for any router).
 
+``chat-sessions`` are conversations of four turns after one system prompt, the traffic
+of a chat application; with ``--vllm-kv-blocks`` each server's cache holds a few
+conversations, so a router that sends them all to one server makes it evict them, as a
+GPU server's full cache does.
+
 The model is a random-weight qwen3 (head_dim 32, as vLLM's CPU attention needs) wide
 enough that a prefill costs real time on a CPU, so that reusing a prefix shows in TTFT.
 
@@ -27,8 +32,8 @@ policy), which separates what the router process costs from what the policy deci
 
 Run: ``python benchmarks/foreign_fleet.py [--requests 48] [--rounds 1]
 [--concurrency 4 | --rate 8] [--routers kvserve-kv_aware sglang-cache_aware
-kvserve-cache_aware] [--recompute-weights 0 2] [--workloads shared-prefix mooncake-conv
-hot-prefix system-prompt] [--out runs/foreign-fleet]``
+kvserve-cache_aware] [--recompute-weights 0 9] [--workloads shared-prefix mooncake-conv
+hot-prefix system-prompt chat-sessions] [--vllm-kv-blocks 72] [--out runs/foreign-fleet]``
 """
 
 from __future__ import annotations
@@ -45,6 +50,8 @@ import time
 import urllib.request
 from pathlib import Path
 from typing import Any
+
+from prometheus_client.parser import text_string_to_metric_families
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -63,7 +70,10 @@ WORKLOADS = {
     ),
     # one system prompt before every question: its holder is every request's best match
     "system-prompt": "shared-prefix:n_prefixes=1,prefix_len=384,suffix_len=96,max_tokens=8",
+    # chats of 4 turns after one system prompt; --vllm-kv-blocks makes the caches fill
+    "chat-sessions": "multi-turn:turns=4,systems=1,system_len=128,user_len=32,max_tokens=8",
 }
+CHAT_TURNS = 4
 
 
 def make_model() -> Path:
@@ -94,22 +104,44 @@ def start_kvserve_router(
     model_dir: Path,
     prefill_token_s: float,
     decode_s: float,
-    recompute_weight: float,
+    recompute_weight: float | None,
 ) -> ServerProcess:
     """kv_aware with this machine's costs, both measured on the same servers: seconds per
-    prompt token, and what a running sequence adds to a new prompt's TTFT."""
+    prompt token, and what a running sequence adds to a new prompt's TTFT; its weights
+    are the router's defaults unless a recompute weight is given."""
+    weight = (
+        [] if recompute_weight is None else ["--kv-aware-recompute-weight", str(recompute_weight)]
+    )
     router = start_router(
         [w.url for w in workers], free_port(), "--policy", "kv_aware",
         "--tokenizer", str(model_dir), "--kv-events", *[w.kv_events() for w in workers],
         "--kv-block-size", str(BLOCK_SIZE), "--kv-prefill-token-s", str(prefill_token_s),
-        "--kv-decode-request-s", str(decode_s),
-        "--kv-aware-recompute-weight", str(recompute_weight),
+        "--kv-decode-request-s", str(decode_s), *weight,
     )  # fmt: skip
     deadline = time.monotonic() + 60
     while not all("kv_events_stream" in w for w in _workers(router)):  # followers started
         assert time.monotonic() < deadline, "the router never followed its workers' events"
         time.sleep(0.1)
     return router
+
+
+def vllm_counters(workers: list[VllmServer]) -> list[dict[str, float]]:
+    """Each server's own count of finished requests and of preemptions (a sequence
+    evicted for room and recomputed later): which server a router used, whatever the
+    router tells its clients (sglang-router names none)."""
+    counters = []
+    for worker in workers:
+        with urllib.request.urlopen(f"{worker.url}/metrics", timeout=10) as response:
+            text = response.read().decode()
+        found = {"requests": 0.0, "preemptions": 0.0}
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                if sample.name == "vllm:request_success_total":
+                    found["requests"] += sample.value
+                elif sample.name == "vllm:num_preemptions_total":
+                    found["preemptions"] += sample.value
+        counters.append(found)
+    return counters
 
 
 def _workers(router: ServerProcess) -> list[dict[str, Any]]:
@@ -155,7 +187,10 @@ def decode_request_s(worker: VllmServer, model_dir: Path, running: int = 4) -> f
 
     _cold_ttft_s(worker, model_dir, prompt(99))  # the first of a length runs slower
     idle = min(_cold_ttft_s(worker, model_dir, prompt(k)) for k in range(3))
-    body = {"model": str(model_dir), "prompt": [60, 61, 62], "max_tokens": 1500, "ignore_eos": True}
+    # 4 x 483 tokens fit the smallest cache --vllm-kv-blocks allows beside the measured
+    # prompt (a sequence preempted for room would measure preemption instead), and last
+    # past the measurement.
+    body = {"model": str(model_dir), "prompt": [60, 61, 62], "max_tokens": 480, "ignore_eos": True}
     stop = threading.Event()
 
     def decode_forever() -> None:
@@ -170,7 +205,7 @@ def decode_request_s(worker: VllmServer, model_dir: Path, running: int = 4) -> f
     threads = [threading.Thread(target=decode_forever, daemon=True) for _ in range(running)]
     for thread in threads:
         thread.start()
-    time.sleep(1.0)  # every sequence past its prefill
+    time.sleep(0.3)  # every sequence past its prefill
     try:
         busy = min(_cold_ttft_s(worker, model_dir, prompt(k)) for k in range(3, 6))
     finally:
@@ -202,6 +237,7 @@ def run_once(
     out: Path,
 ) -> dict[str, Any]:  # fmt: skip
     reset_caches(workers, model_dir)
+    before = vllm_counters(workers)
     closed = args.rate is None
     load = ["--concurrency", str(args.concurrency)] if closed else ["--rate", str(args.rate)]
     if name in args.kv_aware_weights:
@@ -226,6 +262,10 @@ def run_once(
     summary: dict[str, Any] = results["summary"]
     # Open-loop arrivals leave the fleet idle at times: a gap there is no stall.
     summary["stalls"] = stalls(results["requests"]) if closed else None
+    summary["vllm"] = {
+        key: [int(a[key] - b[key]) for a, b in zip(vllm_counters(workers), before, strict=True)]
+        for key in ("requests", "preemptions")
+    }
     return summary
 
 
@@ -243,11 +283,23 @@ def stalls(requests: list[dict[str, Any]], longer_than_s: float = 0.3) -> dict[s
     return {"count": len(gaps), "seconds": sum(gaps), "max_s": max(gaps, default=0.0)}
 
 
+def sized(spec: str, requests: int) -> str:
+    if "n_prefixes" in spec:
+        return f"{spec},requests={requests}"
+    if spec.startswith("multi-turn"):  # a conversation makes one request per turn
+        return f"{spec},conversations={max(requests // CHAT_TURNS, 1)}"
+    return spec
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--requests", type=int, default=48)
     parser.add_argument("--concurrency", type=int, default=4, help="closed loop of C users")
-    parser.add_argument("--rate", type=float, help="open loop instead: Poisson arrivals, req/s")
+    parser.add_argument(
+        "--rate",
+        type=float,
+        help="open loop instead: Poisson arrivals per second (of conversations, in chat-sessions)",
+    )
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--out", type=Path, default=Path("runs/foreign-fleet"))
     parser.add_argument("--routers", nargs="+", choices=ROUTERS, default=list(ROUTERS[:2]))
@@ -266,25 +318,29 @@ def main() -> None:
         help="vLLM server i runs on CPU i only (as each GPU worker has its own device)",
     )
     parser.add_argument(
+        "--vllm-kv-blocks",
+        type=int,
+        help="each vLLM server's KV cache holds this many blocks of 32 tokens (vLLM's "
+        "--num-gpu-blocks-override; at least 65: a 2,048-token context and the null "
+        "block), not 1 GiB's worth",
+    )
+    parser.add_argument(
         "--recompute-weights",
         type=float,
-        nargs="+",
-        default=[0.0],
-        help="kvserve-kv_aware once per --kv-aware-recompute-weight W (named -wW unless 0)",
+        nargs="*",
+        default=[],
+        help="besides kvserve-kv_aware (the router's default weights), kvserve-kv_aware-wW "
+        "with --kv-aware-recompute-weight W, for each W",
     )
     args = parser.parse_args()
-    args.kv_aware_weights = {
-        KV_AWARE if w == 0 else f"{KV_AWARE}-w{w:g}": w for w in args.recompute_weights
+    args.kv_aware_weights = {KV_AWARE: None} | {
+        f"{KV_AWARE}-w{w:g}": w for w in args.recompute_weights
     }
     args.routers = [
         r for name in args.routers for r in (args.kv_aware_weights if name == KV_AWARE else [name])
     ]
-    # Shared-prefix workloads make as many requests as asked (their default is 256).
-    workloads = {
-        name: WORKLOADS[name] + (f",requests={args.requests}" if "n_prefixes" in spec else "")
-        for name, spec in WORKLOADS.items()
-        if name in args.workloads
-    }
+    # Generated workloads make as many requests as asked (shared-prefix's default is 256).
+    workloads = {name: sized(WORKLOADS[name], args.requests) for name in args.workloads}
     model_dir = make_model()
     single = args.vllm_processes == "single"
     cores = sorted(os.sched_getaffinity(0))
@@ -293,6 +349,7 @@ def main() -> None:
             model_dir,
             dev_mode=True,
             kv_cache_gib=1,
+            kv_blocks=args.vllm_kv_blocks,
             single_process=single,
             core=cores[i % len(cores)] if args.pin_workers else None,
             compiled=True,
@@ -322,8 +379,8 @@ def main() -> None:
                         f"{workload_name:14} {name:20} round {round_index}: "
                         f"hit {summary['prefix_hit_rate']:.3f}  TTFT p50 {ttft['p50']:.0f} "
                         f"p99 {ttft['p99']:.0f} ms  errors {summary['errors']}  "
-                        f"per worker {summary['requests_per_worker']}"
-                        + stalls_note(summary["stalls"]),
+                        f"served by each vLLM {summary['vllm']['requests']} (preempted "
+                        f"{summary['vllm']['preemptions']})" + stalls_note(summary["stalls"]),
                         flush=True,
                     )
     finally:

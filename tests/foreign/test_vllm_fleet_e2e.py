@@ -2,7 +2,8 @@
 with prefix caching and ZMQ KV events: the router learns every worker's cache from its
 events alone and routes a shared prefix to the worker that holds it, where vLLM's own
 prefix-cache hit counter rises; events lost on the way are fetched from vLLM's replay
-socket; a killed worker's blocks are dropped, and relearned once it is back.
+socket; a killed worker's blocks are dropped, and relearned once it is back; blocks vLLM
+evicts from a full cache leave the router's index.
 
 One module-scoped fleet (vLLM takes 20-150 s to start on a loaded 2-core box). The tests
 fail, never skip, when vLLM is not set up (scripts/setup_vllm.sh).
@@ -27,6 +28,7 @@ from tests.support.vllm_server import BLOCK_SIZE, VllmServer
 
 pytestmark = pytest.mark.timeout(900)
 
+KV_BLOCKS = 96  # each server's cache: small enough for a test to fill it
 SYSTEM = "You are a patient assistant who answers questions about rivers and bridges. " * 6
 
 
@@ -74,7 +76,7 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
     servers: list[VllmServer] = []
     link = router = None
     try:
-        servers = [VllmServer(model_dir) for _ in range(2)]  # both start at once
+        servers = [VllmServer(model_dir, kv_blocks=KV_BLOCKS) for _ in range(2)]  # start at once
         for server in servers:
             server.wait_healthy()
         link = LossyZmqLink(f"tcp://127.0.0.1:{servers[0].events_port}")
@@ -102,7 +104,7 @@ def chat(fleet: Fleet, messages: list[dict[str, str]]) -> httpx.Response:
     return answer
 
 
-def complete_direct(fleet: Fleet, server: VllmServer, prompt: str) -> None:
+def complete_direct(fleet: Fleet, server: VllmServer, prompt: str | list[int]) -> None:
     body = {"model": fleet.model, "prompt": prompt, "max_tokens": 2, "temperature": 0.0}
     answer = httpx.post(f"{server.url}/v1/completions", json=body, timeout=120)
     assert answer.status_code == 200, answer.text
@@ -179,3 +181,25 @@ def test_a_restarted_worker_is_dropped_and_relearned(fleet: Fleet) -> None:
     )
     assert answer.status_code == 200 and worker_index(answer) == 1
     assert "reason=cache_hit" in answer.headers["x-kvserve-decision"]
+
+
+def test_blocks_evicted_from_a_full_cache_leave_the_index(fleet: Fleet) -> None:
+    server = fleet.vllm[0]
+    prompt = [(7 * i + 3) % 900 + 50 for i in range(8 * BLOCK_SIZE)]
+    complete_direct(fleet, server, prompt)
+    removed = fleet.link.removed_blocks
+    # Three cold prompts of 47 blocks each take more than the whole cache: vLLM evicts
+    # the least recently used blocks, the first prompt's before any of theirs.
+    for k in range(3):
+        complete_direct(fleet, server, [(13 * i + 101 * k + 5) % 900 + 50 for i in range(1500)])
+    until(lambda: fleet.link.removed_blocks >= removed + 3 * 47 - KV_BLOCKS, "vLLM evicted")
+    published = fleet.link.last_seq
+    until(lambda: fleet.stream(0)["next_seq"] > published, "the router applied the evictions")
+    assert fleet.indexed_blocks(0) <= KV_BLOCKS
+    answer = httpx.post(
+        f"{fleet.router.url}/v1/completions",
+        json={"model": fleet.model, "prompt": [*prompt, 60, 61], "max_tokens": 2},
+        timeout=120,
+    )
+    assert answer.status_code == 200, answer.text
+    assert "reason=cache_miss" in answer.headers["x-kvserve-decision"], answer.headers

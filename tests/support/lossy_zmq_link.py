@@ -1,7 +1,9 @@
 """A ZMQ link between a KV event publisher and the router that loses messages on demand:
 the gap a slow subscriber or a full queue would cause, made to happen at a chosen moment.
 It forwards every message unchanged (a SUB upstream, an XPUB downstream) from a thread;
-the router asks the publisher's own replay socket for what was lost."""
+the router asks the publisher's own replay socket for what was lost. It also notes the
+last sequence number it forwarded and how many blocks the forwarded steps removed, so a
+test knows when the router has seen an eviction."""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ import threading
 
 import zmq
 
+from kvserve.core.vllm_kv_wire import BlockRemoved, decode_batch, decode_seq
 from kvserve.router.ports import free_port
 
 
@@ -19,6 +22,8 @@ class LossyZmqLink:
         self.forwarded = 0
         self.dropped = 0
         self.subscribers = 0
+        self.last_seq = -1
+        self.removed_blocks = 0
         self._to_drop = 0
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -57,10 +62,18 @@ class LossyZmqLink:
                         self.dropped += 1
                     else:
                         pub.send_multipart(frames)
+                        self._note(frames)
                         self.forwarded += 1
         finally:
             sub.close()
             pub.close()
+
+    def _note(self, frames: list[bytes]) -> None:
+        events = decode_batch(frames[2]).events
+        self.removed_blocks += sum(
+            len(e.block_hashes) for e in events if isinstance(e, BlockRemoved)
+        )
+        self.last_seq = decode_seq(frames[1])
 
     def close(self) -> None:
         self._stop.set()

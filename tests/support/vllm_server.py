@@ -38,6 +38,7 @@ class VllmServer:
         model_dir: Path,
         *,
         kv_cache_gib: int = 1,
+        kv_blocks: int | None = None,
         dev_mode: bool = False,
         single_process: bool = False,
         core: int | None = None,
@@ -60,6 +61,9 @@ class VllmServer:
         self.port, self.events_port, self.replay_port = free_port(), free_port(), free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.kv_cache_gib = kv_cache_gib
+        # A cache of this many blocks instead of what kv_cache_gib holds (1 GiB is ~250k
+        # tokens of the tiny models): a cache that fills, as a GPU server's does.
+        self.kv_blocks = kv_blocks
         # vLLM names its ZMQ IPC sockets ipc://<dir>/<uuid4> and leaves them behind (thousands
         # a day in /tmp over test runs): each server gets a directory removed when it stops.
         self.rpc_dir = Path(tempfile.gettempdir()) / f"kvserve-vllm-rpc-{self.port}"
@@ -87,6 +91,8 @@ class VllmServer:
             args += ["--distributed-executor-backend", "uni"]
         if not self.compiled:
             args += ["--enforce-eager"]
+        if self.kv_blocks is not None:
+            args += ["--num-gpu-blocks-override", str(self.kv_blocks)]
         env = {
             "VLLM_CPU_KVCACHE_SPACE": str(self.kv_cache_gib),
             "VLLM_CPU_OMP_THREADS_BIND": "nobind" if self.core is None else str(self.core),
