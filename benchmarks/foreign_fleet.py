@@ -62,6 +62,7 @@ from tests.support.vllm_server import BLOCK_SIZE, VllmServer
 
 KV_AWARE = "kvserve-kv_aware"
 ROUTERS = (KV_AWARE, "sglang-cache_aware", "kvserve-cache_aware")
+CHAT_TURNS = 4
 WORKLOADS = {
     "shared-prefix": "shared-prefix:n_prefixes=6,prefix_len=384,suffix_len=24,max_tokens=8",
     "mooncake-conv": "mooncake-conv:block_tokens=10,max_tokens=8",
@@ -70,10 +71,11 @@ WORKLOADS = {
     ),
     # one system prompt before every question: its holder is every request's best match
     "system-prompt": "shared-prefix:n_prefixes=1,prefix_len=384,suffix_len=96,max_tokens=8",
-    # chats of 4 turns after one system prompt; --vllm-kv-blocks makes the caches fill
-    "chat-sessions": "multi-turn:turns=4,systems=1,system_len=128,user_len=32,max_tokens=8",
+    # chats after one system prompt; --vllm-kv-blocks makes the caches fill
+    "chat-sessions": (
+        f"multi-turn:turns={CHAT_TURNS},systems=1,system_len=128,user_len=32,max_tokens=8"
+    ),
 }
-CHAT_TURNS = 4
 
 
 def make_model() -> Path:

@@ -190,9 +190,13 @@ def test_blocks_evicted_from_a_full_cache_leave_the_index(fleet: Fleet) -> None:
     removed = fleet.link.removed_blocks
     # Three cold prompts of 47 blocks each take more than the whole cache: vLLM evicts
     # the least recently used blocks, the first prompt's before any of theirs.
-    for k in range(3):
-        complete_direct(fleet, server, [(13 * i + 101 * k + 5) % 900 + 50 for i in range(1500)])
-    until(lambda: fleet.link.removed_blocks >= removed + 3 * 47 - KV_BLOCKS, "vLLM evicted")
+    cold_tokens, cold_prompts = 1500, 3
+    for k in range(cold_prompts):
+        complete_direct(
+            fleet, server, [(13 * i + 101 * k + 5) % 900 + 50 for i in range(cold_tokens)]
+        )
+    allocated = cold_prompts * -(-cold_tokens // BLOCK_SIZE)
+    until(lambda: fleet.link.removed_blocks >= removed + allocated - KV_BLOCKS, "vLLM evicted")
     published = fleet.link.last_seq
     until(lambda: fleet.stream(0)["next_seq"] > published, "the router applied the evictions")
     assert fleet.indexed_blocks(0) <= KV_BLOCKS
