@@ -7,6 +7,7 @@ import socket
 from collections.abc import Iterator
 
 import httpx
+import openai
 import pytest
 
 from kvserve.router.ports import free_port
@@ -51,6 +52,29 @@ def test_bad_requests_get_openai_errors(client: httpx.Client) -> None:
     not_json = client.post("/v1/completions", content=b"{nope", headers=API)
     assert (not_json.status_code, not_json.json()["error"]["code"]) == (400, "invalid_json")
     assert client.post("/v1/completions", json=[1], headers=API).status_code == 400
+
+
+def test_unknown_urls_and_methods_get_openai_errors(
+    router: ServerProcess, client: httpx.Client
+) -> None:
+    """aiohttp's own 404 and 405 are plain text, which SDKs report as an opaque failure.
+    The connection opens with a hot route, so the requests after it reach the aiohttp app
+    forwarded by the lean server; a handler's own 404 keeps its code."""
+    assert client.post("/v1/completions", json={"prompt": "x"}, headers=API).status_code == 200
+    for method, path in (("POST", "/v1/embeddings"), ("GET", "/nope")):
+        sent = client.request(method, path, headers=API)
+        assert sent.status_code == 404
+        error = sent.json()["error"]
+        assert (error["type"], error["code"]) == ("invalid_request_error", "unknown_url")
+        assert f"{method} {path}" in error["message"]
+    wrong = client.get("/v1/chat/completions", headers=API)
+    assert (wrong.status_code, wrong.headers["Allow"]) == (405, "POST")
+    assert wrong.json()["error"]["code"] == "method_not_allowed"
+    gone = client.delete("/workers/nobody", headers=ADMIN)
+    assert gone.status_code == 404 and gone.json()["error"]["code"] == "unknown_worker"
+    sdk = openai.OpenAI(base_url=f"{router.url}/v1", api_key="client-key", max_retries=0)
+    with pytest.raises(openai.NotFoundError, match="Invalid URL"):
+        sdk.embeddings.create(model="foreign", input="x")
 
 
 def test_a_body_over_the_bound_is_refused_by_the_middleware_before_any_handler(

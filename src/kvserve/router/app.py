@@ -26,7 +26,7 @@ from kvserve.router.config import RouterConfig
 from kvserve.router.dashboard.data import dashboard_data
 from kvserve.router.dashboard.routes import DashboardRoutes
 from kvserve.router.dashboard.sampler import FleetSampler
-from kvserve.router.errors import openai_error
+from kvserve.router.errors import openai_error, unknown_routes_as_openai_errors
 from kvserve.router.fleet_changes import Change, FleetChanges
 from kvserve.router.health import HealthChecker
 from kvserve.router.kept_loads import KeptPoolLoads
@@ -250,7 +250,10 @@ class Router:
     def build_app(self) -> web.Application:
         app = web.Application(
             client_max_size=self.config.max_request_bytes,
-            middlewares=[client_limits_middleware(self.config.client_limits)],
+            middlewares=[
+                client_limits_middleware(self.config.client_limits),
+                unknown_routes_as_openai_errors,
+            ],
         )
         app.cleanup_ctx.append(self.lifecycle)
         app.add_routes(
