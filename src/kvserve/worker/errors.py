@@ -81,8 +81,10 @@ def validation_error_to_api_error(errors: Sequence[Any]) -> APIError:
     """
     if not errors:
         return invalid_request("Invalid request body.")
-    first = errors[0]
-    location = [str(part) for part in first.get("loc", ()) if part != "body"]
+    first = _most_telling(errors)
+    location = [
+        str(part) for part in first.get("loc", ()) if part != "body" and not _is_branch(part)
+    ]
     if first.get("type") == "json_invalid":
         return invalid_request(f"Malformed JSON body: {first.get('msg', '')}")
     if not location:
@@ -92,6 +94,47 @@ def validation_error_to_api_error(errors: Sequence[Any]) -> APIError:
         # A field the worker does not know is one it would not honour: never ignored.
         return invalid_request(f"Unrecognized request argument supplied: {path}", param=location[0])
     return invalid_request(f"{path}: {first.get('msg', 'invalid value')}", param=location[0])
+
+
+def _most_telling(errors: Sequence[Any]) -> Any:
+    """The error to report. A field that takes several forms (``prompt``, ``stop``, a
+    message's ``content``) gets errors per form, the string form's first: for token ids
+    with a negative one that was "Input should be a valid string". Of the forms the
+    first error's field was tried as, the one meant is a form whose shape the value has
+    (not refused whole as the wrong type) with the fewest errors: "prompt.0: Input
+    should be greater than or equal to 0". Equals keep pydantic's order."""
+    first = errors[0]
+    location = _location(first)
+    cut = next((i for i, part in enumerate(location) if _is_branch(part)), None)
+    if cut is None:
+        return first
+    forms: dict[object, list[Any]] = {}
+    for error in errors:
+        where = _location(error)
+        if where[:cut] == location[:cut] and len(where) > cut and _is_branch(where[cut]):
+            forms.setdefault(where[cut], []).append(error)
+
+    def unlikeliness(form: list[Any]) -> tuple[bool, int]:
+        wrong_shape = any(
+            len(_location(e)) == cut + 1 and str(e.get("type", "")).endswith("_type") for e in form
+        )
+        return wrong_shape, len(form)
+
+    return min(forms.values(), key=unlikeliness)[0]
+
+
+def _location(error: Any) -> tuple[object, ...]:
+    return tuple(part for part in error.get("loc", ()) if part != "body")
+
+
+def _is_branch(part: object) -> bool:
+    """A location part that names a form of a field (pydantic's ``str``,
+    ``constrained-str``, ``list[constrained-int]``...), not a field: left out of the
+    path a client reads. A discriminated union's tag (a message's ``user``) stays."""
+    return isinstance(part, str) and (part in _PLAIN_FORMS or "-" in part or "[" in part)
+
+
+_PLAIN_FORMS = frozenset({"str", "int", "float", "bool", "list", "dict", "none"})
 
 
 def install_error_handlers(app: FastAPI) -> None:
