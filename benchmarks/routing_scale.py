@@ -1,7 +1,8 @@
 """Routing at fleet scale: decision time vs fleet size and prompt length, index memory.
 
-Side by side in one run, decisions alternating between the rules so that machine noise
-hits all alike:
+Side by side in one run, decisions alternating between cache_aware and kv_aware so that
+machine noise hits both alike (the exhaustive rule in a pass of its own over the same
+decisions):
 
 - ``cache_aware``: the policy over its approximate tree (the prompt as one character
   per block, as the simulator builds it);
@@ -12,10 +13,11 @@ hits all alike:
 - ``kv_aware exhaustive``: the reference rule, every worker matched and predicted
   (:func:`~kvserve.core.routing.kv_aware.lowest_ttft`): what kv_aware did before.
 
-The fleet: each worker holds ``--blocks`` blocks of its own conversations, and a shared
-system prompt of 8 blocks is held by a tenth of the workers; each request extends one
-conversation (held by one worker) by a few blocks. Loads move as a router's guards would:
-the chosen worker takes one request and its prefill, a random worker releases one.
+The fleet: each worker holds ``--blocks`` blocks of its own conversations; those of a
+tenth of the workers start with a shared system prompt of 8 blocks; each request extends
+one conversation (held by one worker, from its first block) by two blocks. Loads move as
+a router's guards would: the chosen worker takes one request and its prefill, a random
+worker releases one.
 Decision time is CPU time (``time.thread_time_ns``) of ``select`` alone, given the loads
 as the router gives them: a :class:`~kvserve.core.routing.pool_loads.PoolLoads` kept
 between decisions.
@@ -78,17 +80,20 @@ class Fleet:
         self.ids = [f"w{i}" for i in range(workers)]
         self.prompt_blocks = prompt_blocks
         self.pool = PoolLoads(WorkerLoad(w) for w in self.ids)  # as the router keeps them
-        # each worker: conversations of prompt_blocks - 2 blocks after the system prompt
-        per_conversation = max(1, prompt_blocks - SYSTEM_BLOCKS - 2)
+        self.system_holders = set(self.ids[:: max(1, workers // 10)])
+        # each worker: conversations of prompt_blocks - 2 blocks, the system prompt's first
+        # on its holders (a chained hash: a conversation held is held from its first block)
+        own_blocks = max(1, prompt_blocks - 2)
         self.conversations: dict[str, list[list[int]]] = {}
         next_hash = 1000
         for w in self.ids:
+            shared = SYSTEM if w in self.system_holders else []
+            per_conversation = max(1, own_blocks - len(shared))
             chains = []
             for _ in range(max(1, blocks // per_conversation)):
-                chains.append(list(range(next_hash, next_hash + per_conversation)))
+                chains.append([*shared, *range(next_hash, next_hash + per_conversation)])
                 next_hash += per_conversation
             self.conversations[w] = chains
-        self.system_holders = self.ids[:: max(1, workers // 10)]
         self.next_hash = next_hash
 
     def fill(self, policy: KvAwarePolicy, extra_blocks: int = 0) -> None:
@@ -96,8 +101,6 @@ class Fleet:
         more that no request reads (the index's size, not the prompts')."""
         for n, w in enumerate(self.ids):
             stored = [h for chain in self.conversations[w] for h in chain]
-            if w in self.system_holders:
-                stored += SYSTEM
             policy.observe_events(w, [KVEvent(1, "stored", "device", tuple(stored), None)])
             if extra_blocks:
                 first = EXTRA_FIRST_HASH + n * extra_blocks
@@ -111,7 +114,7 @@ class Fleet:
         chain = self.rng.choice(self.conversations[owner])
         fresh = list(range(self.next_hash, self.next_hash + 2))
         self.next_hash += 2
-        hashes = [*SYSTEM, *chain, *fresh][: self.prompt_blocks]
+        hashes = [*chain, *fresh][: self.prompt_blocks]
         tokens = len(hashes) * BLOCK_TOKENS + 5
         return RouteQuery(
             text="".join(chr(FIRST_CHAR + h % 0xE0000) for h in hashes),
@@ -139,39 +142,58 @@ class Fleet:
 def decision_times(
     workers: int, prompt_blocks: int, blocks: int, decisions: int, seed: int, extra_blocks: int = 0
 ) -> dict[str, list[float]]:
-    """Microseconds per decision for each rule, alternating."""
+    """Microseconds per decision for each rule: cache_aware and kv_aware alternating,
+    then the exhaustive rule in a pass of its own over the same decisions (kv_aware's
+    choices move the loads in both, so the states are the same): its walk of every
+    worker, 50 times the others' work, would leave their code and data cold, and its
+    garbage would start collections inside their decisions."""
+    times = _pass(workers, prompt_blocks, blocks, decisions, seed, extra_blocks, exhaustive=False)
+    gc.collect()
+    times |= _pass(workers, prompt_blocks, blocks, decisions, seed, extra_blocks, exhaustive=True)
+    return times
+
+
+def _pass(
+    workers: int,
+    prompt_blocks: int,
+    blocks: int,
+    decisions: int,
+    seed: int,
+    extra_blocks: int,
+    *,
+    exhaustive: bool,
+) -> dict[str, list[float]]:
     fleet = Fleet(workers, blocks, prompt_blocks, seed)
     kv = KvAwarePolicy(KvAwareConfig())
     fleet.fill(kv, extra_blocks)
     cache = CacheAwarePolicy(CacheAwareConfig(), 0.0)
-    for w in fleet.ids:  # the tree learns each worker's conversations as routed there
-        for chain in fleet.conversations[w]:
-            prefix = [*SYSTEM, *chain] if w in fleet.system_holders else chain
-            cache.index.tree("regular", "m").insert(
-                "".join(chr(FIRST_CHAR + h % 0xE0000) for h in prefix), w, 0.0
-            )
-    times: dict[str, list[float]] = {"cache_aware": [], "kv_aware": [], "kv_aware exhaustive": []}
+    if not exhaustive:
+        for w in fleet.ids:  # the tree learns each worker's conversations as routed there
+            for chain in fleet.conversations[w]:
+                cache.index.tree("regular", "m").insert(
+                    "".join(chr(FIRST_CHAR + h % 0xE0000) for h in chain), w, 0.0
+                )
+    timed = ["kv_aware exhaustive"] if exhaustive else ["cache_aware", "kv_aware"]
+    times: dict[str, list[float]] = {name: [] for name in timed}
     gc.collect()
     for n in range(decisions):
         now = n * 0.01
         query = fleet.query()
-        assert query.blocks is not None
         loads = fleet.pool
-
-        rules: list[tuple[str, Callable[[], str]]] = [
-            ("cache_aware", functools.partial(_select, cache, query, loads, now)),
-            ("kv_aware exhaustive", functools.partial(_exhaustive, kv, query, loads, now)),
-            ("kv_aware", functools.partial(_select, kv, query, loads, now)),
-        ]
-        if n % 2:
-            rules.reverse()
+        rules: dict[str, Callable[[], str]] = {
+            "cache_aware": functools.partial(_select, cache, query, loads, now),
+            "kv_aware exhaustive": functools.partial(_exhaustive, kv, query, loads, now),
+        }
+        order = [*timed, "kv_aware"] if exhaustive else (timed if n % 2 else timed[::-1])
         chosen = ""
-        for name, rule in rules:
+        for name in order:
             started = time.thread_time_ns()
-            picked = rule()
-            times[name].append((time.thread_time_ns() - started) / 1e3)
             if name == "kv_aware":
-                chosen = picked
+                chosen = _select(kv, query, loads, now)
+            else:
+                rules[name]()
+            if name in times:
+                times[name].append((time.thread_time_ns() - started) / 1e3)
         fleet.move_loads(chosen, query.prefill_tokens, kv.observe_load)
     return times
 
