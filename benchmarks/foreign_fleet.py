@@ -51,8 +51,6 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from prometheus_client.parser import text_string_to_metric_families
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kvserve.router.local_fleet import KVSERVE_COMMAND, ServerProcess
@@ -133,16 +131,13 @@ def vllm_counters(workers: list[VllmServer]) -> list[dict[str, float]]:
     router tells its clients (sglang-router names none)."""
     counters = []
     for worker in workers:
-        with urllib.request.urlopen(f"{worker.url}/metrics", timeout=10) as response:
-            text = response.read().decode()
-        found = {"requests": 0.0, "preemptions": 0.0}
-        for family in text_string_to_metric_families(text):
-            for sample in family.samples:
-                if sample.name == "vllm:request_success_total":
-                    found["requests"] += sample.value
-                elif sample.name == "vllm:num_preemptions_total":
-                    found["preemptions"] += sample.value
-        counters.append(found)
+        read = worker.counters("vllm:request_success_total", "vllm:num_preemptions_total")
+        counters.append(
+            {
+                "requests": read["vllm:request_success_total"],
+                "preemptions": read["vllm:num_preemptions_total"],
+            }
+        )
     return counters
 
 

@@ -59,13 +59,8 @@ def until(condition: Callable[[], bool], what: str, timeout_s: float = 60.0) -> 
 
 
 def prefix_hits(server: VllmServer) -> float:
-    """vLLM's own count of prompt tokens served from its prefix cache (the name has a
-    colon, which the shared metrics reader does not take)."""
-    text = httpx.get(f"{server.url}/metrics").text
-    name = "vllm:prefix_cache_hits_total"
-    values = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name)]
-    assert values, f"{name} missing from vLLM's /metrics"
-    return sum(values)
+    """vLLM's own count of prompt tokens served from its prefix cache."""
+    return server.counters("vllm:prefix_cache_hits_total")["vllm:prefix_cache_hits_total"]
 
 
 @pytest.fixture(scope="module")

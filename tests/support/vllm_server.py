@@ -12,7 +12,10 @@ import re
 import shutil
 import tempfile
 import time
+import urllib.request
 from pathlib import Path
+
+from prometheus_client.parser import text_string_to_metric_families
 
 from kvserve.router.local_fleet import ServerProcess, StartError
 from kvserve.router.ports import free_port
@@ -129,6 +132,22 @@ class VllmServer:
         self.process.stop(30)
         unlink_orphans(self._shared_memory_before, self.process.process.pid)
         shutil.rmtree(self.rpc_dir, ignore_errors=True)
+
+    def counters(self, *names: str) -> dict[str, float]:
+        """vLLM's own counters (sample names such as ``vllm:prefix_cache_hits_total``),
+        each summed over its labels, from one read of its ``/metrics``; a name it does not
+        export is an error."""
+        with urllib.request.urlopen(f"{self.url}/metrics", timeout=10) as response:
+            text = response.read().decode()
+        found: dict[str, float] = {}
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                if sample.name in names:
+                    found[sample.name] = found.get(sample.name, 0.0) + sample.value
+        missing = [name for name in names if name not in found]
+        if missing:
+            raise KeyError(f"{missing} missing from vLLM's /metrics")
+        return found
 
     def kv_events(self, *, replay: bool = True) -> str:
         """This server's event source as the router's ``--kv-events`` takes it."""
