@@ -42,7 +42,6 @@ Run: ``python benchmarks/routing_scale.py [--workers 10,100,1000,10000]
 from __future__ import annotations
 
 import argparse
-import functools
 import gc
 import random
 import statistics
@@ -50,6 +49,7 @@ import time
 import tracemalloc
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 from kvserve.core.cost_model import profile as cost_profile
 from kvserve.core.kv_events import KVEvent
@@ -148,7 +148,7 @@ def decision_times(
     worker, 50 times the others' work, would leave their code and data cold, and its
     garbage would start collections inside their decisions."""
     times = _pass(workers, prompt_blocks, blocks, decisions, seed, extra_blocks, exhaustive=False)
-    gc.collect()
+    gc.collect()  # the first pass's fleet gone before the second's is built (10^8 entries)
     times |= _pass(workers, prompt_blocks, blocks, decisions, seed, extra_blocks, exhaustive=True)
     return times
 
@@ -166,36 +166,46 @@ def _pass(
     fleet = Fleet(workers, blocks, prompt_blocks, seed)
     kv = KvAwarePolicy(KvAwareConfig())
     fleet.fill(kv, extra_blocks)
-    cache = CacheAwarePolicy(CacheAwareConfig(), 0.0)
+    pair: list[tuple[str, Policy]] = []
     if not exhaustive:
-        for w in fleet.ids:  # the tree learns each worker's conversations as routed there
-            for chain in fleet.conversations[w]:
-                cache.index.tree("regular", "m").insert(
-                    "".join(chr(FIRST_CHAR + h % 0xE0000) for h in chain), w, 0.0
-                )
-    timed = ["kv_aware exhaustive"] if exhaustive else ["cache_aware", "kv_aware"]
-    times: dict[str, list[float]] = {name: [] for name in timed}
+        pair = [("cache_aware", _learnt_cache_aware(fleet)), ("kv_aware", kv)]
+    names = [name for name, _ in pair] or ["kv_aware exhaustive"]
+    times: dict[str, list[float]] = {name: [] for name in names}
     gc.collect()
     for n in range(decisions):
         now = n * 0.01
         query = fleet.query()
         loads = fleet.pool
-        rules: dict[str, Callable[[], str]] = {
-            "cache_aware": functools.partial(_select, cache, query, loads, now),
-            "kv_aware exhaustive": functools.partial(_exhaustive, kv, query, loads, now),
-        }
-        order = [*timed, "kv_aware"] if exhaustive else (timed if n % 2 else timed[::-1])
-        chosen = ""
-        for name in order:
-            started = time.thread_time_ns()
-            if name == "kv_aware":
-                chosen = _select(kv, query, loads, now)
-            else:
-                rules[name]()
-            if name in times:
-                times[name].append((time.thread_time_ns() - started) / 1e3)
+        if exhaustive:
+            _, spent = _timed(_exhaustive, kv, query, loads, now)
+            times["kv_aware exhaustive"].append(spent)
+            chosen = _select(kv, query, loads, now)
+        else:
+            for name, policy in pair if n % 2 else pair[::-1]:
+                picked, spent = _timed(_select, policy, query, loads, now)
+                times[name].append(spent)
+                if policy is kv:
+                    chosen = picked
         fleet.move_loads(chosen, query.prefill_tokens, kv.observe_load)
     return times
+
+
+def _learnt_cache_aware(fleet: Fleet) -> CacheAwarePolicy:
+    """cache_aware whose tree learnt each worker's conversations as routed there."""
+    cache = CacheAwarePolicy(CacheAwareConfig(), 0.0)
+    for w in fleet.ids:
+        for chain in fleet.conversations[w]:
+            cache.index.tree("regular", "m").insert(
+                "".join(chr(FIRST_CHAR + h % 0xE0000) for h in chain), w, 0.0
+            )
+    return cache
+
+
+def _timed(rule: Callable[..., str], *args: Any) -> tuple[str, float]:
+    """``rule(*args)``'s choice and its CPU time in µs."""
+    started = time.thread_time_ns()
+    chosen = rule(*args)
+    return chosen, (time.thread_time_ns() - started) / 1e3
 
 
 def _select(policy: Policy, query: RouteQuery, loads: Sequence[WorkerLoad], now: float) -> str:
