@@ -82,9 +82,7 @@ def validation_error_to_api_error(errors: Sequence[Any]) -> APIError:
     if not errors:
         return invalid_request("Invalid request body.")
     first = _most_telling(errors)
-    location = [
-        str(part) for part in first.get("loc", ()) if part != "body" and not _is_branch(part)
-    ]
+    location = [str(part) for part in _location(first) if not _is_branch(part)]
     if first.get("type") == "json_invalid":
         return invalid_request(f"Malformed JSON body: {first.get('msg', '')}")
     if not location:
