@@ -103,7 +103,11 @@ class MooncakeStore:
         args += [f"--global_segment_size={self.segment_bytes}", "--local_buffer_size=0"]
         args += [f"--master_server_address=127.0.0.1:{self.port}", "--metadata_server=P2PHANDSHAKE"]
         args += ["--enable_http_server=true", f"--http_port={self._holder_http_port}"]
-        self.holder.start(args, f"http://127.0.0.1:{self._holder_http_port}/health")
+        try:
+            self.holder.start(args, f"http://127.0.0.1:{self._holder_http_port}/health")
+        except RuntimeError:
+            self.master.kill()  # the fixture gets no store to kill: nothing left running
+            raise
         return self
 
     def kill_master(self) -> None:
