@@ -92,8 +92,9 @@ class KVBlockIndex:
 
     A mask is as wide as the highest slot holding the block: 375 bytes at 1,000 workers
     for a block on worker 999 alone, though most blocks have one holder. A block with
-    one (slot, tier) is stored as ``~bit_index`` instead (a negative int, 28 bytes);
-    :func:`_mask` widens it where a mask is needed.
+    one (slot, tier) is stored as ``~bit_index`` instead (a negative int, one object per
+    bit index, shared: see :func:`_compact`); :func:`_mask` widens it where a mask is
+    needed.
 
     ``max_entries`` bounds the (block, holder) entries: past it, the blocks least
     recently stored or matched are forgotten, every holder at once, and counted in
@@ -534,9 +535,21 @@ def _mask(stored: int) -> int:
     return stored if stored >= 0 else 1 << ~stored
 
 
+# ``~i`` for each bit index ``i`` stored so far, one int object per bit: every block that
+# one (slot, tier) holds alone refers to it. An int made per block was 28 bytes of each
+# such entry's ~150 (at 1,000 workers), and the walk's read of it a cache miss of its own
+# once the index outgrows the caches.
+_LONE_BITS: list[int] = []
+
+
 def _compact(mask: int) -> int:
-    """What to store for ``mask`` (non-zero): one bit as ``~its_index``."""
-    return ~(mask.bit_length() - 1) if mask & (mask - 1) == 0 else mask
+    """What to store for ``mask`` (non-zero): one bit as ``~its_index`` (shared)."""
+    if mask & (mask - 1):
+        return mask
+    index = mask.bit_length() - 1
+    if index >= len(_LONE_BITS):
+        _LONE_BITS.extend(~i for i in range(len(_LONE_BITS), index + 1))
+    return _LONE_BITS[index]
 
 
 def _bit(slot: int, tier: str) -> int:
