@@ -78,7 +78,9 @@ class CacheTurnover:
 
     def eviction_rate(self, worker_id: str, now: float) -> float:
         """Device blocks ``worker_id`` evicts per second lately (0: none seen)."""
-        state = self._workers.setdefault(worker_id, _Evictions())
+        state = self._workers.get(worker_id)
+        if state is None:  # not setdefault: that makes a state per decision to drop
+            state = self._workers[worker_id] = _Evictions()
         if state.sampled_at is None:  # what came before has no known span: start here
             state.sampled_at = now
             state.pending = 0
