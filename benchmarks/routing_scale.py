@@ -1,8 +1,7 @@
 """Routing at fleet scale: decision time vs fleet size and prompt length, index memory.
 
-Side by side in one run, decisions alternating between cache_aware and kv_aware so that
-machine noise hits both alike (the exhaustive rule in a pass of its own over the same
-decisions):
+Side by side in one run, each rule in a pass of its own over the same decisions (see
+:func:`decision_times`), timed after ``--warmup`` untimed ones:
 
 - ``cache_aware``: the policy over its approximate tree (the prompt as one character
   per block, as the simulator builds it);
@@ -20,7 +19,10 @@ a router's guards would: the chosen worker takes one request and its prefill, a 
 worker releases one.
 Decision time is CPU time (``time.thread_time_ns``) of ``select`` alone, given the loads
 as the router gives them: a :class:`~kvserve.core.routing.pool_loads.PoolLoads` kept
-between decisions.
+between decisions. Before each decision ``--other-work-mib`` MiB are copied (8 by
+default; :class:`OtherWork`): in a router a request's handling, not the last decision,
+comes before a decision. Only decisions after ``--warmup`` untimed ones are timed, once
+most workers have been chosen and hold what a policy makes on a worker's first choice.
 
 ``--extra-blocks N`` adds N blocks per worker that no request reads, to kv_aware's index
 only (cache_aware's tree learns only the conversations): the decision at the index size
@@ -35,6 +37,7 @@ Mooncake trace at 10 workers ×1 scales to 1,000 workers ×100: the same load pe
 
 Run: ``python benchmarks/routing_scale.py [--workers 10,100,1000,10000]
 [--prompt-blocks 16,128] [--blocks 100] [--extra-blocks 0] [--decisions 300]
+[--warmup N] [--other-work-mib 8]
 [--sim-trace $KVSERVE_DATA_DIR/mooncake/conversation_trace.jsonl --sim-workers 1000
 --sim-speedup 100]``.
 """
@@ -139,55 +142,109 @@ class Fleet:
         observe(load)
 
 
+RULES = ("kv_aware", "cache_aware", "kv_aware exhaustive")
+
+
+def default_warmup(workers: int) -> int:
+    """Untimed decisions before the timed ones: enough that most workers have been
+    chosen once (twice the fleet: 86 % of it) and hold the state a policy makes on a
+    worker's first choice, as a router that has run for a while does."""
+    return max(500, 2 * workers)
+
+
+class OtherWork:
+    """What a router does between two decisions (a request parsed, tokenized, proxied),
+    standing in as a copy of ``mib`` MiB: the next decision finds the caches as a
+    request's handling leaves them, not as the last decision did. 0: decisions back to
+    back, each finding the last one's data still cached (a rule whose data fits in the
+    caches then looks faster than it is in a router)."""
+
+    def __init__(self, mib: float) -> None:
+        size = int(mib * 2**20)
+        self._source = bytearray(b"\x01") * size  # not zeros: those read one shared page
+        self._target = bytearray(size)
+
+    def __call__(self) -> None:
+        if self._source:
+            self._target[:] = self._source
+
+
 def decision_times(
-    workers: int, prompt_blocks: int, blocks: int, decisions: int, seed: int, extra_blocks: int = 0
-) -> dict[str, list[float]]:
-    """Microseconds per decision for each rule: cache_aware and kv_aware alternating,
-    then the exhaustive rule in a pass of its own over the same decisions (kv_aware's
-    choices move the loads in both, so the states are the same): its walk of every
-    worker, 50 times the others' work, would leave their code and data cold, and its
-    garbage would start collections inside their decisions."""
-    times = _pass(workers, prompt_blocks, blocks, decisions, seed, extra_blocks, exhaustive=False)
-    gc.collect()  # the first pass's fleet gone before the second's is built (10^8 entries)
-    times |= _pass(workers, prompt_blocks, blocks, decisions, seed, extra_blocks, exhaustive=True)
-    return times
-
-
-def _pass(
     workers: int,
     prompt_blocks: int,
     blocks: int,
     decisions: int,
     seed: int,
-    extra_blocks: int,
-    *,
-    exhaustive: bool,
+    extra_blocks: int = 0,
+    warmup: int | None = None,
+    other_work: OtherWork | None = None,
 ) -> dict[str, list[float]]:
-    fleet = Fleet(workers, blocks, prompt_blocks, seed)
+    """Microseconds per decision for each rule, each rule in a pass of its own over the
+    same decisions, after ``warmup`` untimed ones (:func:`default_warmup` if None),
+    ``other_work`` done before each (none if None).
+
+    kv_aware's choices move the loads in every pass (its own pass records them, the
+    cache_aware pass replays them, the exhaustive pass makes them again), so every rule
+    decides on the same states. Apart, because a rule alternating with another is
+    charged for the other's work: the collections the other's garbage starts land in
+    either's decisions, and each evicts the other's data from the caches (at 1,000
+    workers, 128-block prompts: no collection in 2,000 kv_aware decisions alone, 6 when
+    alternating with cache_aware, whose tree grows with every request)."""
+    warmup = default_warmup(workers) if warmup is None else warmup
+    between = other_work or OtherWork(0)
+    choices: list[str] = []
+    times: dict[str, list[float]] = {}
+    for rule in RULES:
+        gc.collect()  # the last pass's fleet gone before this one's is built (10^8 entries)
+        fleet = Fleet(workers, blocks, prompt_blocks, seed)
+        times[rule] = _pass(rule, fleet, decisions, warmup, extra_blocks, choices, between)
+    return times
+
+
+def _pass(
+    rule: str,
+    fleet: Fleet,
+    decisions: int,
+    warmup: int,
+    extra_blocks: int,
+    choices: list[str],
+    other_work: Callable[[], None],
+) -> list[float]:
+    """``rule``'s CPU µs on each decision after the first ``warmup``, ``other_work``
+    done before each. kv_aware's pass appends its choices to ``choices``; the others
+    move the loads by them."""
     kv = KvAwarePolicy(KvAwareConfig())
-    fleet.fill(kv, extra_blocks)
-    pair: list[tuple[str, Policy]] = []
-    if not exhaustive:
-        pair = [("cache_aware", _learnt_cache_aware(fleet)), ("kv_aware", kv)]
-    names = [name for name, _ in pair] or ["kv_aware exhaustive"]
-    times: dict[str, list[float]] = {name: [] for name in names}
+    cache: CacheAwarePolicy | None = None
+    observe: Callable[[WorkerLoad], None] = kv.observe_load
+    if rule == "cache_aware":  # no kv_aware state, nor its garbage, in this pass
+        cache, observe = _learnt_cache_aware(fleet), _unread
+    else:
+        fleet.fill(kv, extra_blocks)
+    times: list[float] = []
     gc.collect()
-    for n in range(decisions):
+    for n in range(warmup + decisions):
         now = n * 0.01
         query = fleet.query()
         loads = fleet.pool
-        if exhaustive:
-            _, spent = _timed(_exhaustive, kv, query, loads, now)
-            times["kv_aware exhaustive"].append(spent)
+        other_work()
+        if cache is not None:
+            _, spent = _timed(_select, cache, query, loads, now)
+            chosen = choices[n]
+        elif rule == "kv_aware":
+            chosen, spent = _timed(_select, kv, query, loads, now)
+            choices.append(chosen)
+        else:  # the reference rule, timed, then kv_aware's choice, which moves the loads
+            spent = _timed(_exhaustive, kv, query, loads, now)[1] if n >= warmup else 0.0
             chosen = _select(kv, query, loads, now)
-        else:
-            for name, policy in pair if n % 2 else pair[::-1]:
-                picked, spent = _timed(_select, policy, query, loads, now)
-                times[name].append(spent)
-                if policy is kv:
-                    chosen = picked
-        fleet.move_loads(chosen, query.prefill_tokens, kv.observe_load)
+            assert chosen == choices[n], "the exhaustive pass left kv_aware's decisions"
+        if n >= warmup:
+            times.append(spent)
+        fleet.move_loads(chosen, query.prefill_tokens, observe)
     return times
+
+
+def _unread(_: WorkerLoad) -> None:
+    """cache_aware reads the loads it is given; nothing to tell it of a change."""
 
 
 def _learnt_cache_aware(fleet: Fleet) -> CacheAwarePolicy:
@@ -287,6 +344,17 @@ def main() -> None:
         help="more indexed blocks per worker, read by no request (kv_aware's index only)",
     )
     parser.add_argument("--decisions", type=int, default=300)
+    parser.add_argument(
+        "--other-work-mib",
+        type=float,
+        default=8.0,
+        help="MiB copied before each decision, for a request's handling (0: none)",
+    )
+    parser.add_argument(
+        "--warmup",
+        type=int,
+        help="untimed decisions before the timed ones (default: twice the fleet, 500 at least)",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--sim-trace", type=Path)
     parser.add_argument("--sim-workers", type=int, default=1000)
@@ -295,13 +363,21 @@ def main() -> None:
     if args.sim_trace is not None:
         simulator_wall(args.sim_trace, args.sim_workers, args.sim_speedup)
         return
-    print("## decision time, µs of CPU (p50 / p99)\n")
+    other_work = OtherWork(args.other_work_mib)
+    print(f"## decision time, µs of CPU (p50 / p99), {args.other_work_mib:g} MiB between\n")
     print("| workers | prompt blocks | cache_aware | kv_aware | kv_aware exhaustive |")
     print("|---:|---:|---:|---:|---:|")
     for workers in (int(w) for w in args.workers.split(",")):
         for prompt_blocks in (int(p) for p in args.prompt_blocks.split(",")):
             times = decision_times(
-                workers, prompt_blocks, args.blocks, args.decisions, args.seed, args.extra_blocks
+                workers,
+                prompt_blocks,
+                args.blocks,
+                args.decisions,
+                args.seed,
+                args.extra_blocks,
+                args.warmup,
+                other_work,
             )
             cells = [
                 f"{statistics.median(t):.0f} / {_percentile(t, 0.99):.0f}"

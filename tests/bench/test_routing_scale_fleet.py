@@ -1,7 +1,8 @@
 """``benchmarks/routing_scale.py``'s fleet is what its figures claim to measure: each
 request extends a conversation its owner holds from the first block (block hashes are
 chained, so no worker holds a conversation without the system prompt it starts with),
-and a run times every rule on every decision."""
+and a run times every rule on every decision, each rule in its own pass on the same
+states."""
 
 from __future__ import annotations
 
@@ -47,7 +48,26 @@ def test_each_request_is_held_by_its_owner_but_for_its_two_new_blocks(
     assert 0 < with_system < 40 if workers > 10 else with_system == 40
 
 
-def test_a_run_times_every_rule_on_every_decision(routing_scale: ModuleType) -> None:
-    times = routing_scale.decision_times(30, 16, 100, 12, seed=0)
+def test_a_run_times_every_rule_on_every_decision_after_the_warmup(
+    routing_scale: ModuleType,
+) -> None:
+    other_work = routing_scale.OtherWork(0.5)
+    times = routing_scale.decision_times(30, 16, 100, 12, seed=0, warmup=20, other_work=other_work)
     assert sorted(times) == ["cache_aware", "kv_aware", "kv_aware exhaustive"]
     assert all(len(t) == 12 and min(t) > 0 for t in times.values())
+
+
+def test_every_pass_decides_on_the_states_of_kv_awares_own(routing_scale: ModuleType) -> None:
+    """The cache_aware pass replays kv_aware's choices; the exhaustive pass makes them
+    again from a fleet of its own and stops if one differs: the passes see the same
+    loads only if the fleet and its queries repeat from the seed."""
+    choices: list[str] = []
+    none = routing_scale.OtherWork(0)
+    first = routing_scale.Fleet(40, 100, 16, seed=3)
+    routing_scale._pass("kv_aware", first, 30, 5, 0, choices, none)
+    assert len(choices) == 35 and len(set(choices)) > 5
+    again = routing_scale.Fleet(40, 100, 16, seed=3)
+    assert len(routing_scale._pass("kv_aware exhaustive", again, 30, 5, 0, choices, none)) == 30
+    other = routing_scale.Fleet(40, 100, 16, seed=4)
+    with pytest.raises(AssertionError, match="left kv_aware's decisions"):
+        routing_scale._pass("kv_aware exhaustive", other, 30, 5, 0, choices, none)
