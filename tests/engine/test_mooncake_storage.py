@@ -94,7 +94,7 @@ def test_a_full_segment_refuses_puts_and_requests_are_recomputed(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     caplog.set_level(logging.WARNING, "kvserve.engine.kv_offload")
-    store = mooncake_support.MooncakeStore(tmp_path / "small", segment_bytes=16 << 20).start()
+    store = mooncake_support.start_store(tmp_path / "small", segment_bytes=16 << 20)
     filler = MooncakeDistributedStore()
     try:
         master = f"127.0.0.1:{store.port}"
@@ -116,3 +116,28 @@ def test_a_full_segment_refuses_puts_and_requests_are_recomputed(
     finally:
         filler.close()
         store.kill()
+
+
+def test_a_store_whose_holder_exits_is_tried_twice_then_fails_with_both_logs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A segment under Mooncake's 16 MiB makes the holder exit at once: started again on
+    fresh ports, it exits again, and the failure carries both attempts, each master
+    killed (nothing of either left running)."""
+    started: list[mooncake_support.MooncakeStore] = []
+    start_master = mooncake_support.MooncakeStore.start_master
+
+    def recorded(store: mooncake_support.MooncakeStore) -> mooncake_support.MooncakeStore:
+        started.append(store)
+        return start_master(store)
+
+    monkeypatch.setattr(mooncake_support.MooncakeStore, "start_master", recorded)
+    with pytest.raises(RuntimeError) as failure:
+        mooncake_support.start_store(tmp_path / "tiny", segment_bytes=1)
+    message = str(failure.value)
+    assert message.count("Total size must be at least") >= 2
+    assert "(and the attempt before:" in message
+    assert len(started) == 2
+    for store in started:
+        for program in (store.master, store.holder):
+            assert program.process is not None and program.process.poll() is not None

@@ -39,6 +39,10 @@ def _answers(url: str) -> bool:
         return False
 
 
+class _Exited(RuntimeError):
+    """The program ended before it was ready."""
+
+
 class _Program:
     def __init__(self, name: str, log: Path) -> None:
         program = mooncake_program(name)
@@ -55,10 +59,12 @@ class _Program:
             )
         deadline = time.monotonic() + _START_TIMEOUT_S
         while not _answers(ready_url):
-            if self.process.poll() is not None or time.monotonic() > deadline:
+            exited = self.process.poll() is not None
+            if exited or time.monotonic() > deadline:
                 self.kill()
                 tail = self.log.read_text(errors="replace")[-2000:]
-                raise RuntimeError(f"{Path(self.program).name} did not start:\n{tail}")
+                failure = _Exited if exited else RuntimeError
+                raise failure(f"{Path(self.program).name} did not start:\n{tail}")
             time.sleep(0.05)
 
     def kill(self) -> None:
@@ -119,11 +125,29 @@ class MooncakeStore:
         self.master.kill()
 
 
+def start_store(directory: Path, segment_bytes: int = 256 << 20) -> MooncakeStore:
+    """A started store, started once more on fresh ports if a program exited before it
+    was ready. Seen once in CI, not since (nor in 200 starts beside two CPU hogs): the
+    segment holder exited 1.4 ms after its HTTP server started, its log saying no more.
+    The cause is not known. Not a port taken between choosing and binding it, as tried:
+    the holder runs on without its HTTP server if that port is taken, binds its transfer
+    port anyway, and waits if the master's port answers something else (a timeout here,
+    not retried). Both attempts' logs are kept in ``directory``; a second failure fails
+    with both."""
+    try:
+        return MooncakeStore(directory, segment_bytes).start()
+    except _Exited as first:
+        try:
+            return MooncakeStore(directory, segment_bytes).start()
+        except RuntimeError as again:
+            raise RuntimeError(f"{again}\n(and the attempt before: {first})") from first
+
+
 @pytest.fixture
 def mooncake_store(tmp_path: Path) -> Iterator[MooncakeStore]:
     """A started store with a 256 MiB segment, killed after the test."""
     try:
-        store = MooncakeStore(tmp_path / "mooncake").start()
+        store = start_store(tmp_path / "mooncake")
     except RuntimeError as error:
         pytest.fail(f"{error} (.ci/run installs libibverbs1; the extra installs Mooncake)")
     try:
