@@ -213,13 +213,10 @@ def _pass(
     """``rule``'s CPU µs on each decision after the first ``warmup``, ``other_work``
     done before each. kv_aware's pass appends its choices to ``choices``; the others
     move the loads by them."""
-    kv = KvAwarePolicy(KvAwareConfig())
-    cache: CacheAwarePolicy | None = None
-    observe: Callable[[WorkerLoad], None] = kv.observe_load
     if rule == "cache_aware":  # no kv_aware state, nor its garbage, in this pass
-        cache, observe = _learnt_cache_aware(fleet), _unread
-    else:
-        fleet.fill(kv, extra_blocks)
+        return _cache_aware_pass(fleet, decisions, warmup, choices, other_work)
+    kv = KvAwarePolicy(KvAwareConfig())
+    fleet.fill(kv, extra_blocks)
     times: list[float] = []
     gc.collect()
     for n in range(warmup + decisions):
@@ -227,10 +224,7 @@ def _pass(
         query = fleet.query()
         loads = fleet.pool
         other_work()
-        if cache is not None:
-            _, spent = _timed(_select, cache, query, loads, now)
-            chosen = choices[n]
-        elif rule == "kv_aware":
+        if rule == "kv_aware":
             chosen, spent = _timed(_select, kv, query, loads, now)
             choices.append(chosen)
         else:  # the reference rule, timed, then kv_aware's choice, which moves the loads
@@ -239,12 +233,30 @@ def _pass(
             assert chosen == choices[n], "the exhaustive pass left kv_aware's decisions"
         if n >= warmup:
             times.append(spent)
-        fleet.move_loads(chosen, query.prefill_tokens, observe)
+        fleet.move_loads(chosen, query.prefill_tokens, kv.observe_load)
+    return times
+
+
+def _cache_aware_pass(
+    fleet: Fleet, decisions: int, warmup: int, choices: list[str], other_work: Callable[[], None]
+) -> list[float]:
+    """:func:`_pass` for cache_aware: its tree learnt, the loads moved by ``choices``
+    (cache_aware reads the loads it is given: nothing to tell it of a change)."""
+    cache = _learnt_cache_aware(fleet)
+    times: list[float] = []
+    gc.collect()
+    for n in range(warmup + decisions):
+        query = fleet.query()
+        other_work()
+        spent = _timed(_select, cache, query, fleet.pool, n * 0.01)[1]
+        if n >= warmup:
+            times.append(spent)
+        fleet.move_loads(choices[n], query.prefill_tokens, _unread)
     return times
 
 
 def _unread(_: WorkerLoad) -> None:
-    """cache_aware reads the loads it is given; nothing to tell it of a change."""
+    """A change of load, which cache_aware is not told of."""
 
 
 def _learnt_cache_aware(fleet: Fleet) -> CacheAwarePolicy:
