@@ -201,6 +201,9 @@ def decision_times(
     return times
 
 
+Decide = Callable[[int, RouteQuery, PoolLoads, float], tuple[str, float]]
+
+
 def _pass(
     rule: str,
     fleet: Fleet,
@@ -213,46 +216,51 @@ def _pass(
     """``rule``'s CPU µs on each decision after the first ``warmup``, ``other_work``
     done before each. kv_aware's pass appends its choices to ``choices``; the others
     move the loads by them."""
-    if rule == "cache_aware":  # no kv_aware state, nor its garbage, in this pass
-        return _cache_aware_pass(fleet, decisions, warmup, choices, other_work)
-    kv = KvAwarePolicy(KvAwareConfig())
-    fleet.fill(kv, extra_blocks)
+    decide, observe = _rule(rule, fleet, warmup, extra_blocks, choices)
     times: list[float] = []
     gc.collect()
     for n in range(warmup + decisions):
         now = n * 0.01
         query = fleet.query()
-        loads = fleet.pool
         other_work()
-        if rule == "kv_aware":
+        chosen, spent = decide(n, query, fleet.pool, now)
+        if n >= warmup:
+            times.append(spent)
+        fleet.move_loads(chosen, query.prefill_tokens, observe)
+    return times
+
+
+def _rule(
+    rule: str, fleet: Fleet, warmup: int, extra_blocks: int, choices: list[str]
+) -> tuple[Decide, Callable[[WorkerLoad], None]]:
+    """How ``rule`` decides the ``n``-th request (the choice that moves the loads, and
+    the rule's CPU µs), and what is told of a change of load."""
+    if rule == "cache_aware":  # no kv_aware state, nor its garbage, in this pass
+        cache = _learnt_cache_aware(fleet)
+
+        def replayed(n: int, query: RouteQuery, loads: PoolLoads, now: float) -> tuple[str, float]:
+            return choices[n], _timed(_select, cache, query, loads, now)[1]
+
+        return replayed, _unread
+    kv = KvAwarePolicy(KvAwareConfig())
+    fleet.fill(kv, extra_blocks)
+    if rule == "kv_aware":
+
+        def recorded(n: int, query: RouteQuery, loads: PoolLoads, now: float) -> tuple[str, float]:
             chosen, spent = _timed(_select, kv, query, loads, now)
             choices.append(chosen)
-        else:  # the reference rule, timed, then kv_aware's choice, which moves the loads
-            spent = _timed(_exhaustive, kv, query, loads, now)[1] if n >= warmup else 0.0
-            chosen = _select(kv, query, loads, now)
-            assert chosen == choices[n], "the exhaustive pass left kv_aware's decisions"
-        if n >= warmup:
-            times.append(spent)
-        fleet.move_loads(chosen, query.prefill_tokens, kv.observe_load)
-    return times
+            return chosen, spent
 
+        return recorded, kv.observe_load
 
-def _cache_aware_pass(
-    fleet: Fleet, decisions: int, warmup: int, choices: list[str], other_work: Callable[[], None]
-) -> list[float]:
-    """:func:`_pass` for cache_aware: its tree learnt, the loads moved by ``choices``
-    (cache_aware reads the loads it is given: nothing to tell it of a change)."""
-    cache = _learnt_cache_aware(fleet)
-    times: list[float] = []
-    gc.collect()
-    for n in range(warmup + decisions):
-        query = fleet.query()
-        other_work()
-        spent = _timed(_select, cache, query, fleet.pool, n * 0.01)[1]
-        if n >= warmup:
-            times.append(spent)
-        fleet.move_loads(choices[n], query.prefill_tokens, _unread)
-    return times
+    def reference(n: int, query: RouteQuery, loads: PoolLoads, now: float) -> tuple[str, float]:
+        """The reference rule, timed (not in the warm-up), then kv_aware's choice."""
+        spent = _timed(_exhaustive, kv, query, loads, now)[1] if n >= warmup else 0.0
+        chosen = _select(kv, query, loads, now)
+        assert chosen == choices[n], "the exhaustive pass left kv_aware's decisions"
+        return chosen, spent
+
+    return reference, kv.observe_load
 
 
 def _unread(_: WorkerLoad) -> None:
