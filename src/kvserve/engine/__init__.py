@@ -1,20 +1,30 @@
 """engine layer: the model, the KV pool and the step loop, with torch (layers and
 modules: docs/architecture.md; interfaces: docs/internals.md).
 
-Importing it, before torch loads, bounds how long an OpenMP thread (torch's intra-op
-threads, libgomp) spins after its share of an op before it sleeps: 1,000 spins, tens of
-microseconds. A step runs a hundred-odd parallel ops back to back, and waking a sleeping
-sibling for each costs far more than the op's split saves (on the 2-core dev box, a VM,
-passive waiting made 2 threads slower than 1 on a shared-prefix batch: 117–125 against
-156 tok/s; with the bounded spin, 220–260). Between steps and when the engine is idle the
-threads sleep, so they do not take cores from other jobs; spinning longer (5,000 spins and
-up) does: with two CPU hogs beside it a 2-thread engine fell to 17–30 tok/s, against
-77–102 with 1,000 spins and 63–132 passive. Measurements: docs/benchmarks.md, "Engine vs
-vLLM (CPU)". An explicit ``OMP_WAIT_POLICY`` or ``GOMP_SPINCOUNT`` wins; neither has an
-effect if torch was imported first (libgomp reads them once, when it loads).
+Importing it, before torch loads, sets how long an OpenMP thread (torch's intra-op
+threads, libgomp) spins after its share of an op before it sleeps. A step runs a
+hundred-odd parallel ops back to back, and waking a sleeping sibling for each costs more
+than the op's split saves: on the 2-core dev VM, 1,000 spins (18 µs) made ~3,500 wakes a
+round of the shared-prefix benchmark and ran 102–117 tok/s on two threads; 100,000 spins
+(about 2 ms, which also spans the engine's work between steps) made 20–45 wakes and ran
+127–148. Spinning that long is ruinous on cores shared with other busy jobs (two threads
+beside two CPU hogs: 25 tok/s against 50 with 1,000 spins), so where Linux counts how
+long the engine's threads wait for a CPU, the model runner watches that and drops to one
+thread while the cores are shared (:mod:`kvserve.engine.thread_governor`); elsewhere the
+spin stays at 1,000. Between requests the threads sleep after their spin. Measurements:
+docs/benchmarks.md, "Engine vs vLLM (CPU)". An explicit ``OMP_WAIT_POLICY`` or
+``GOMP_SPINCOUNT`` wins, and then nothing is governed (with short spins a sibling's wake-up
+counts as waiting for a CPU); neither has an effect if torch was imported first (libgomp
+reads them once, when it loads: its own default is a 300,000-spin wait, which the
+governor then watches).
 """
 
 import os
 
+# The spin the thread governor makes safe (kvserve.engine.thread_governor): a process that
+# runs with another wait (the user's) is not governed.
+GOVERNED_SPINCOUNT = "100000"
+
 if "OMP_WAIT_POLICY" not in os.environ:
-    os.environ.setdefault("GOMP_SPINCOUNT", "1000")
+    _GOVERNED = os.path.exists("/proc/self/schedstat") and os.path.exists("/proc/stat")
+    os.environ.setdefault("GOMP_SPINCOUNT", GOVERNED_SPINCOUNT if _GOVERNED else "1000")

@@ -20,6 +20,7 @@ from kvserve.engine.decode_rows import DecodeRows
 from kvserve.engine.device import pick_device, pick_dtype
 from kvserve.engine.kv_pool import KVPool
 from kvserve.engine.models import MODEL_CLASSES
+from kvserve.engine.thread_governor import governor_for
 from kvserve.engine.weights import CheckpointTensors
 from kvserve.model_folder.config import ModelConfig
 
@@ -77,6 +78,9 @@ class ModelRunner:
         self.decode_rows = DecodeRows(
             self.kv_pool, max_bytes=int(rows_fraction * self.kv_pool.nbytes)
         )
+        # On CPU: all the threads given while the cores are the engine's alone, one while
+        # other jobs want them (None: one device thread, or nothing to read that from)
+        self.threads = governor_for(self.device)
 
     @staticmethod
     def blocks_for_memory(
@@ -98,6 +102,16 @@ class ModelRunner:
         ``all_logits`` contributes one row per new token instead: ``[rows, vocab_size]``
         (``[len(batch), vocab_size]`` when no item asks for all)."""
         self._check(batch)
+        governor = self.threads
+        if governor is None:
+            return self._forward(batch)
+        governor.step_started()
+        try:
+            return self._forward(batch)
+        finally:
+            governor.step_ended()
+
+    def _forward(self, batch: list[SequenceBatchItem]) -> torch.Tensor:
         decoding = [item for item in batch if len(item.token_ids) == 1]
         rows = (
             None
