@@ -76,3 +76,53 @@ def test_openmp_threads_spin_through_a_step_unless_the_user_says_otherwise():
     assert _openmp_env_after_import({}) == (None, "100000")
     assert _openmp_env_after_import({"GOMP_SPINCOUNT": "50"}) == (None, "50")
     assert _openmp_env_after_import({"OMP_WAIT_POLICY": "PASSIVE"}) == ("PASSIVE", None)
+
+
+_POOLS_SCRIPT = """
+import glob, os, threading
+import kvserve.engine  # its OpenMP wait, before torch loads
+import torch
+from kvserve.engine.device import release_openmp_threads, use_threads
+
+use_threads(max(2, len(os.sched_getaffinity(0))))
+x = torch.ones(1 << 22)
+
+def sleeps():
+    total = 0
+    for status in glob.glob("/proc/self/task/*/status"):
+        try:
+            text = open(status).read()
+        except FileNotFoundError:
+            continue
+        total += int(text.split("voluntary_ctxt_switches:")[1].split()[0])
+    return total
+
+def steps_elsewhere():
+    before = []
+    def run():
+        before.append(sleeps())
+        for _ in range(300):
+            x.add_(1)
+        before.append(sleeps() - before[0])
+    thread = threading.Thread(target=run)
+    thread.start()
+    thread.join()
+    return before[1]
+
+x.add_(1)  # the main thread's own pool, as a worker's model loading makes one
+throttled = steps_elsewhere()
+print(release_openmp_threads(), throttled, steps_elsewhere())
+"""
+
+
+def test_releasing_the_loading_threads_pool_lets_the_stepping_thread_spin():
+    """libgomp throttles every thread's spin while it manages more threads than CPUs, and
+    each thread that started parallel work keeps a pool: the one that loaded the model
+    must let go of its own for the engine's thread to spin between ops."""
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
+    out = subprocess.run(
+        [sys.executable, "-c", _POOLS_SCRIPT], env=env, capture_output=True, text=True, check=True
+    ).stdout.split()
+    released, throttled, after = out[0] == "True", int(out[1]), int(out[2])
+    assert released
+    assert throttled >= 150 and after * 4 < throttled, (throttled, after)

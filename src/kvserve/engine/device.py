@@ -8,6 +8,7 @@ slower than float32 and less accurate; everything else runs in float32 on CPU.
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import os
 from pathlib import Path
@@ -23,6 +24,8 @@ _DTYPES = {
     "bfloat16": torch.bfloat16,
 }
 DTYPE_CHOICES = ("auto", *_DTYPES)
+# omp_pause_resource_all's kind that releases threads but keeps data on devices
+_OMP_PAUSE_SOFT = 1
 # CPU feature flags (as /proc/cpuinfo names them) that make bf16 GEMMs native.
 _NATIVE_BF16_FLAGS = frozenset({"avx512_bf16", "amx_bf16"})
 
@@ -81,3 +84,25 @@ def use_threads(count: int | None) -> int:
         raise ValueError(f"threads must be at least 1, got {count}")
     torch.set_num_threads(count)
     return count
+
+
+def release_openmp_threads() -> bool:
+    """Release the OpenMP threads the calling thread started (its libgomp thread pool);
+    True if released. Call it on a thread that is done with torch's parallel work.
+
+    Each OS thread that starts parallel work keeps a pool of threads of its own, and
+    libgomp cuts every thread's spin to 100 (its "throttled" wait) while it manages more
+    threads than the process has CPUs. A worker that loads its model on one thread and
+    steps it on another so ran every step with sleeping siblings: on the 2-core dev VM
+    3,900 wakes a round of the shared-prefix benchmark and 112-114 tok/s, against 26-39
+    wakes and 135-138 once the loading thread's pool was released (docs/benchmarks.md,
+    "Spinning through a step, one thread on shared cores").
+    """
+    try:
+        maps = Path("/proc/self/maps").read_text().splitlines()
+    except OSError:  # not Linux: nothing found to release
+        return False
+    paths = {line.split()[-1] for line in maps if "/libgomp" in line}
+    if len(paths) != 1:  # torch on another OpenMP runtime, or two libgomps: not ours to call
+        return False
+    return ctypes.CDLL(paths.pop()).omp_pause_resource_all(_OMP_PAUSE_SOFT) == 0

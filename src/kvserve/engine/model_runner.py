@@ -82,6 +82,13 @@ class ModelRunner:
         # other jobs want them (None: one device thread, or nothing to read that from)
         self.threads = governor_for(self.device)
 
+    def intra_op_threads(self) -> tuple[int, int]:
+        """The threads the model runs on now, and how many times the governor changed
+        that (for the worker's metrics)."""
+        if self.threads is None:
+            return torch.get_num_threads(), 0
+        return self.threads.running, self.threads.changes
+
     @staticmethod
     def blocks_for_memory(
         config: ModelConfig, block_size: int, num_bytes: int, dtype: torch.dtype

@@ -40,6 +40,11 @@ class _EngineStateCollector(Collector):
                 "Prompt tokens admitted but not yet computed.",
                 state.prefill_tokens,
             ),
+            "kvserve_engine_threads": (
+                "Intra-op threads the model runs on now (a CPU engine runs one while other "
+                "jobs want its cores).",
+                state.threads,
+            ),
         }
         for name, (documentation, value) in gauges.items():
             yield GaugeMetricFamily(name, documentation, value=value)
@@ -53,6 +58,10 @@ class _EngineStateCollector(Collector):
                 state.prefix_hit_tokens,
             ),
             "kvserve_num_preemptions": ("Requests preempted.", state.preemptions),
+            "kvserve_engine_thread_changes": (
+                "Times the engine's thread count changed with the sharing of its cores.",
+                state.thread_changes,
+            ),
         }
         for name, (documentation, value) in counters.items():
             yield CounterMetricFamily(name, documentation, value=value)

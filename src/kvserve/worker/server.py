@@ -42,7 +42,7 @@ def serve(config: WorkerConfig) -> None:
     """Blocks until the worker is told to stop."""
     from kvserve.core.cost_model import profile
     from kvserve.engine.cost_model_runner import CostModelRunner
-    from kvserve.engine.device import use_threads
+    from kvserve.engine.device import release_openmp_threads, use_threads
     from kvserve.engine.kv_tiers.connector import kv_tiers
     from kvserve.engine.llm_engine import LLMEngine  # torch: import only when serving
     from kvserve.worker.pd_api import pd_connectors
@@ -64,6 +64,7 @@ def serve(config: WorkerConfig) -> None:
         runner=runner,
         connectors=[*connectors, *pd_connectors(config)],
     )
+    release_openmp_threads()  # the engine steps on a thread of its own (EngineBridge)
     app = build_app(config, engine)
     server = _GracefulServer(
         uvicorn.Config(
