@@ -105,4 +105,5 @@ def release_openmp_threads() -> bool:
     paths = {line.split()[-1] for line in maps if "/libgomp" in line}
     if len(paths) != 1:  # torch on another OpenMP runtime, or two libgomps: not ours to call
         return False
-    return ctypes.CDLL(paths.pop()).omp_pause_resource_all(_OMP_PAUSE_SOFT) == 0
+    status: int = ctypes.CDLL(paths.pop()).omp_pause_resource_all(_OMP_PAUSE_SOFT)
+    return status == 0
