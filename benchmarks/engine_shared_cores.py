@@ -13,9 +13,10 @@ other, on the same model:
   user's own wait: nothing governed);
 - ``long-spin`` (with ``--long-spin``): libgomp's own 300,000-spin wait, ungoverned.
 
-Printed: each round's tok/s, the phase at its end (alone / shared / alone
-again; a round that spans a change of phase counts in the later one) and the threads it
-ended on; then per setting the median tok/s of each phase, side by side.
+Printed: each round's tok/s, the phase at its end (alone / shared / alone again; a round
+that spans a change of phase counts in the later one) and whether the threads' waits were
+short or long at its end (the governor's choice); then per setting the median tok/s of
+each phase, side by side.
 
 Run: ``python benchmarks/engine_shared_cores.py [--model DIR] [--threads 2] [--hogs 2]
 [--seconds 90] [--dtype float32] [--long-spin]`` (without ``--model`` it makes the
@@ -73,13 +74,15 @@ def serve(args: argparse.Namespace) -> None:
     ends = time.monotonic() + args.seconds
     while time.monotonic() < ends:
         tps = round_tps()
-        threads, changes = llm.engine.runner.intra_op_threads()
-        print(json.dumps({"tps": tps, "threads": threads, "changes": changes}), flush=True)
+        _, short_waits, changes = llm.engine.runner.intra_op_threads()
+        governed = llm.engine.runner.thread_governor is not None
+        answer = {"tps": tps, "governed": governed, "short": short_waits, "changes": changes}
+        print(json.dumps(answer), flush=True)
     print(json.dumps({"done": True}), flush=True)
 
 
-def run_setting(args: argparse.Namespace, setting: str) -> list[tuple[str, float, int]]:
-    """(phase, tok/s, threads) per round of one setting."""
+def run_setting(args: argparse.Namespace, setting: str) -> list[tuple[str, float]]:
+    """(phase, tok/s) per round of one setting."""
     env = {k: v for k, v in os.environ.items() if k not in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY")}
     env.update(SETTINGS[setting])
     command = [sys.executable, __file__, "--serve", *sys.argv[1:], "--model", str(args.model)]
@@ -87,7 +90,7 @@ def run_setting(args: argparse.Namespace, setting: str) -> list[tuple[str, float
         command, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
     )
     assert engine.stdin is not None and engine.stdout is not None
-    rounds: list[tuple[str, float, int]] = []
+    rounds: list[tuple[str, float]] = []
     hogs: list[subprocess.Popen[bytes]] = []
 
     def start_hogs() -> None:
@@ -112,10 +115,15 @@ def run_setting(args: argparse.Namespace, setting: str) -> list[tuple[str, float
                 break
             elapsed = time.monotonic() - started
             phase = PHASES[min(2, int(3 * elapsed / args.seconds))]
-            rounds.append((phase, answer["tps"], answer["threads"]))
+            rounds.append((phase, answer["tps"]))
+            waits = "short waits" if answer["short"] else "long waits"
             print(
                 f"{setting:>10} {elapsed:6.1f} s {phase:>11}: {answer['tps']:7.1f} tok/s, "
-                f"{answer['threads']} thread(s), {answer['changes']} change(s)",
+                + (
+                    f"{waits}, {answer['changes']} change(s)"
+                    if answer["governed"]
+                    else "not governed"
+                ),
                 flush=True,
             )
     finally:
@@ -173,7 +181,7 @@ def main() -> None:
     for setting in settings:
         rounds = run_setting(args, setting)
         medians[setting] = {
-            phase: statistics.median([tps for p, tps, _ in rounds if p == phase] or [0.0])
+            phase: statistics.median([tps for p, tps in rounds if p == phase] or [0.0])
             for phase in PHASES
         }
     print(f"median tok/s per phase ({args.threads} threads, {args.hogs} hogs while shared):")

@@ -1,5 +1,5 @@
 """``benchmarks/engine_shared_cores.py`` runs each wait setting through its three phases
-and reports the threads the governed engine ran on."""
+and reports whether the governed engine's waits were short."""
 
 from __future__ import annotations
 
@@ -33,5 +33,6 @@ def test_each_setting_runs_alone_shared_and_alone_again(tiny_model_dir: Path) ->
         phases = set(re.findall(rf"^\s*{setting}\s+[\d.]+ s\s+(\w[\w ]*?):", out, re.MULTILINE))
         assert phases == {"alone", "shared", "alone again"}, out
         assert re.search(rf"^\s*{setting}: alone [\d.]+, shared [\d.]+, alone again", out, re.M)
-    threads = {int(n) for n in re.findall(r"^\s*short-spin .*?(\d) thread", out, re.MULTILINE)}
-    assert threads == {2}, out  # a user's own wait: nothing governed
+    assert "long waits" in out, out  # the governed engine alone
+    short_spin = [line for line in out.splitlines() if line.lstrip().startswith("short-spin ")]
+    assert all(line.endswith("not governed") for line in short_spin), out  # a user's wait

@@ -85,7 +85,7 @@ import torch
 from kvserve.engine.device import release_openmp_threads, use_threads
 
 use_threads(max(2, len(os.sched_getaffinity(0))))
-x = torch.ones(1 << 22)
+x = torch.ones(1 << 18)
 
 def sleeps():
     total = 0

@@ -47,10 +47,11 @@ def test_metrics_count_requests_tokens_and_cache_hits(worker: ServerProcess) -> 
         "kvserve_kv_blocks_free",
         "kvserve_kv_blocks_cached",
         "kvserve_num_preemptions_total",
-        "kvserve_engine_thread_changes_total",
+        "kvserve_engine_wait_changes_total",
     ):
         assert sample(after, gauge) >= 0
     assert sample(after, "kvserve_engine_threads") >= 1
+    assert sample(after, "kvserve_engine_short_waits") in (0, 1)
 
 
 def test_prefix_cache_metrics_count_each_request_once_as_its_usage_reports(

@@ -43,9 +43,9 @@ class CostModelRunner:
         avoid = set(config.eos_token_ids) | {config.bos_token_id}
         return next(t for t in range(config.vocab_size // 2, config.vocab_size) if t not in avoid)
 
-    def intra_op_threads(self) -> tuple[int, int]:
-        """As :meth:`ModelRunner.intra_op_threads`: one thread, never changed."""
-        return 1, 0
+    def intra_op_threads(self) -> tuple[int, bool, int]:
+        """As :meth:`ModelRunner.intra_op_threads`: one thread, nothing governed."""
+        return 1, False, 0
 
     def forward(self, batch: list[SequenceBatchItem]) -> torch.Tensor:
         started = time.perf_counter()

@@ -25,7 +25,7 @@ _DTYPES = {
 }
 DTYPE_CHOICES = ("auto", *_DTYPES)
 # omp_pause_resource_all's kind that releases threads but keeps data on devices
-_OMP_PAUSE_SOFT = 1
+OMP_PAUSE_SOFT = 1
 # CPU feature flags (as /proc/cpuinfo names them) that make bf16 GEMMs native.
 _NATIVE_BF16_FLAGS = frozenset({"avx512_bf16", "amx_bf16"})
 
@@ -86,6 +86,17 @@ def use_threads(count: int | None) -> int:
     return count
 
 
+def loaded_libgomp() -> ctypes.CDLL | None:
+    """torch's libgomp, as loaded in this process; None if there is not exactly one (not
+    Linux, torch on another OpenMP runtime, or two libgomps: not ours to call)."""
+    try:
+        maps = Path("/proc/self/maps").read_text().splitlines()
+    except OSError:
+        return None
+    paths = {line.split()[-1] for line in maps if "/libgomp" in line}
+    return ctypes.CDLL(paths.pop()) if len(paths) == 1 else None
+
+
 def release_openmp_threads() -> bool:
     """Release the OpenMP threads the calling thread started (its libgomp thread pool);
     True if released. Call it on a thread that is done with torch's parallel work.
@@ -96,14 +107,10 @@ def release_openmp_threads() -> bool:
     steps it on another so ran every step with sleeping siblings: on the 2-core dev VM
     3,900 wakes a round of the shared-prefix benchmark and 112-114 tok/s, against 26-39
     wakes and 135-138 once the loading thread's pool was released (docs/benchmarks.md,
-    "Spinning through a step, one thread on shared cores").
+    "Spinning through a step, short waits on shared cores").
     """
-    try:
-        maps = Path("/proc/self/maps").read_text().splitlines()
-    except OSError:  # not Linux: nothing found to release
+    libgomp = loaded_libgomp()
+    if libgomp is None:
         return False
-    paths = {line.split()[-1] for line in maps if "/libgomp" in line}
-    if len(paths) != 1:  # torch on another OpenMP runtime, or two libgomps: not ours to call
-        return False
-    status: int = ctypes.CDLL(paths.pop()).omp_pause_resource_all(_OMP_PAUSE_SOFT)
+    status: int = libgomp.omp_pause_resource_all(OMP_PAUSE_SOFT)
     return status == 0

@@ -78,16 +78,18 @@ class ModelRunner:
         self.decode_rows = DecodeRows(
             self.kv_pool, max_bytes=int(rows_fraction * self.kv_pool.nbytes)
         )
-        # On CPU: all the threads given while the cores are the engine's alone, one while
-        # other jobs want them (None: one device thread, or nothing to read that from)
-        self.threads = governor_for(self.device)
+        # On CPU: threads that spin through a step while the cores are the engine's alone,
+        # and barely while other jobs want them (None: nothing to govern)
+        self.thread_governor = governor_for(self.device)
 
-    def intra_op_threads(self) -> tuple[int, int]:
-        """The threads the model runs on now, and how many times the governor changed
-        that (for the worker's metrics)."""
-        if self.threads is None:
-            return torch.get_num_threads(), 0
-        return self.threads.running, self.threads.changes
+    def intra_op_threads(self) -> tuple[int, bool, int]:
+        """The model's intra-op threads, whether their waits are short now (the cores
+        shared with other jobs), and how many times the governor changed that (for the
+        worker's metrics)."""
+        governor = self.thread_governor
+        if governor is None:
+            return torch.get_num_threads(), False, 0
+        return torch.get_num_threads(), governor.throttled, governor.changes
 
     @staticmethod
     def blocks_for_memory(
@@ -109,7 +111,7 @@ class ModelRunner:
         ``all_logits`` contributes one row per new token instead: ``[rows, vocab_size]``
         (``[len(batch), vocab_size]`` when no item asks for all)."""
         self._check(batch)
-        governor = self.threads
+        governor = self.thread_governor
         if governor is None:
             return self._forward(batch)
         governor.step_started()

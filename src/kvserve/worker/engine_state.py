@@ -25,8 +25,9 @@ class EngineState:
     preemptions: int = 0
     events_last_seq: int = 0
     kv_tiers: tuple[tuple[str, int], ...] = ()  # the connectors' metrics (the KV tiers' only)
-    threads: int = 0  # intra-op threads the model runs on now
-    thread_changes: int = 0  # times the thread governor changed them
+    threads: int = 0  # intra-op threads of the model
+    short_waits: bool = False  # they sleep at once between ops: the cores are shared
+    wait_changes: int = 0  # times the thread governor changed that
 
     @property
     def used_blocks(self) -> int:
@@ -49,7 +50,7 @@ def probe_engine(engine: Any) -> EngineState:
     """Reads an ``LLMEngine``; call only on the engine's own thread."""
     load = engine.load()
     prefix_cache = engine.scheduler.stats  # each request counted once, at admission
-    threads, thread_changes = engine.runner.intra_op_threads()
+    threads, short_waits, wait_changes = engine.runner.intra_op_threads()
     return EngineState(
         running=load["running"],
         waiting=load["waiting"],
@@ -64,5 +65,6 @@ def probe_engine(engine: Any) -> EngineState:
         events_last_seq=engine.events.last_seq,
         kv_tiers=tuple(engine.connector_metrics().items()),
         threads=threads,
-        thread_changes=thread_changes,
+        short_waits=short_waits,
+        wait_changes=wait_changes,
     )

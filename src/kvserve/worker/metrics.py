@@ -40,10 +40,11 @@ class _EngineStateCollector(Collector):
                 "Prompt tokens admitted but not yet computed.",
                 state.prefill_tokens,
             ),
-            "kvserve_engine_threads": (
-                "Intra-op threads the model runs on now (a CPU engine runs one while other "
-                "jobs want its cores).",
-                state.threads,
+            "kvserve_engine_threads": ("Intra-op threads of the model.", state.threads),
+            "kvserve_engine_short_waits": (
+                "1 while a CPU engine's threads sleep at once between ops, its cores "
+                "shared with other jobs; 0 while they spin through a step.",
+                int(state.short_waits),
             ),
         }
         for name, (documentation, value) in gauges.items():
@@ -58,9 +59,9 @@ class _EngineStateCollector(Collector):
                 state.prefix_hit_tokens,
             ),
             "kvserve_num_preemptions": ("Requests preempted.", state.preemptions),
-            "kvserve_engine_thread_changes": (
-                "Times the engine's thread count changed with the sharing of its cores.",
-                state.thread_changes,
+            "kvserve_engine_wait_changes": (
+                "Times the engine's threads' waits changed with the sharing of its cores.",
+                state.wait_changes,
             ),
         }
         for name, (documentation, value) in counters.items():
