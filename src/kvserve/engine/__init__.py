@@ -7,16 +7,15 @@ hundred-odd parallel ops back to back, and waking a sleeping sibling for each co
 than the op's split saves: on the 2-core dev VM, 1,000 spins (18 µs) made ~3,500 wakes a
 round of the shared-prefix benchmark and ran 102–117 tok/s on two threads; 100,000 spins
 (about 2 ms, which also spans the engine's work between steps) made 20–45 wakes and ran
-127–148. Spinning that long is ruinous on cores shared with other busy jobs (two threads
-beside two CPU hogs: 25 tok/s against 50 with 1,000 spins), so where Linux counts how
-long the engine's threads wait for a CPU, the model runner watches that and drops to one
-thread while the cores are shared (:mod:`kvserve.engine.thread_governor`); elsewhere the
-spin stays at 1,000. Between requests the threads sleep after their spin. Measurements:
-docs/benchmarks.md, "Engine vs vLLM (CPU)". An explicit ``OMP_WAIT_POLICY`` or
-``GOMP_SPINCOUNT`` wins, and then nothing is governed (with short spins a sibling's wake-up
-counts as waiting for a CPU); neither has an effect if torch was imported first (libgomp
-reads them once, when it loads: its own default is a 300,000-spin wait, which the
-governor then watches).
+117–148. Spinning that long is wrong on cores shared with other busy jobs (beside two CPU
+hogs: 31 tok/s against 44 with short waits), so where Linux counts how long the engine's
+threads wait for a CPU, the model runner watches that and shortens their waits while the
+cores are shared (:mod:`kvserve.engine.thread_governor`); elsewhere the spin stays at
+1,000. Between requests the threads sleep after their spin. Measurements:
+docs/benchmarks.md, "Spinning through a step, short waits on shared cores". An explicit
+``OMP_WAIT_POLICY`` or ``GOMP_SPINCOUNT`` wins, and then nothing is governed; neither has
+an effect if torch was imported first (libgomp reads them once, when it loads: its own
+default is a 300,000-spin wait, which the governor then watches).
 """
 
 import os
