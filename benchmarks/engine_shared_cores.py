@@ -37,7 +37,7 @@ import threading
 import time
 from pathlib import Path
 
-from model_widths import add_width_options, shape_from
+from model_widths import WIDE, add_width_options, shape_from
 
 SETTINGS = {
     "governed": {},
@@ -158,15 +158,7 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--long-spin", action="store_true")
     parser.add_argument("--arch", default="qwen3")
-    add_width_options(
-        parser,
-        hidden_size=1024,
-        intermediate_size=3072,
-        num_heads=16,
-        num_kv_heads=8,
-        num_layers=8,
-        head_dim=64,
-    )
+    add_width_options(parser, **WIDE)
     args = parser.parse_args()
     if args.serve:
         serve(args)

@@ -39,7 +39,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
-from model_widths import add_width_options, shape_from
+from model_widths import WIDE, add_width_options, shape_from
 
 ROOT = Path(__file__).resolve().parent.parent
 # The environment each engine's process starts from, taken before kvserve is imported here
@@ -280,15 +280,7 @@ def main() -> None:
     parser.add_argument("--max-num-seqs", type=int, default=16)
     parser.add_argument("--max-batched-tokens", type=int, default=2048)
     parser.add_argument("--arch", default="qwen3")
-    add_width_options(
-        parser,
-        hidden_size=1024,
-        intermediate_size=3072,
-        num_heads=16,
-        num_kv_heads=8,
-        num_layers=8,
-        head_dim=64,
-    )
+    add_width_options(parser, **WIDE)
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--prompt-len", type=int, default=256)
     parser.add_argument("--output-len", type=int, default=64)

@@ -13,6 +13,16 @@ if TYPE_CHECKING:
     from kvserve.engine.tiny_model import TinyShape
 
 WIDTHS = ("hidden_size", "intermediate_size", "num_heads", "num_kv_heads", "num_layers", "head_dim")
+# The engine benchmarks' default: a Qwen3-shaped model of 102M parameters, wide enough for
+# the linears and attention to cost what they cost in real models
+WIDE = {
+    "hidden_size": 1024,
+    "intermediate_size": 3072,
+    "num_heads": 16,
+    "num_kv_heads": 8,
+    "num_layers": 8,
+    "head_dim": 64,
+}
 
 
 def add_width_options(parser: argparse.ArgumentParser, **defaults: int | None) -> None:

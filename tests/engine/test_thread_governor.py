@@ -207,54 +207,80 @@ def test_beside_busy_jobs_the_runner_makes_its_waits_short(
         governor._throttle(False)  # the rest of this process's tests spin as before
 
 
-_THROTTLE_SCRIPT = """
-import glob, os
+# A process of its own for each probe (libgomp's pools and waits are per process): its
+# OpenMP threads' sleeps (voluntary context switches) over 300 small parallel ops.
+_PROBE = """
+import glob, os, threading
 import kvserve.engine  # its long OpenMP wait, before torch loads
 import torch
-from kvserve.engine.device import loaded_libgomp, use_threads
+from kvserve.engine.device import loaded_libgomp, release_openmp_threads, use_threads
 from kvserve.engine.thread_governor import SpinThrottle
 
-use_threads(len(os.sched_getaffinity(0)))
+cpus = len(os.sched_getaffinity(0))
+use_threads(max(2, cpus))
 x = torch.ones(1 << 18)
-throttle = SpinThrottle(loaded_libgomp(), len(os.sched_getaffinity(0)) + 1)
+
+def sleeps():
+    total = 0
+    for status in glob.glob("/proc/self/task/*/status"):
+        try:
+            text = open(status).read()
+        except FileNotFoundError:
+            continue
+        total += int(text.split("voluntary_ctxt_switches:")[1].split()[0])
+    return total
 
 def sleeps_in_300_ops():
-    def sleeps():
-        total = 0
-        for status in glob.glob("/proc/self/task/*/status"):
-            try:
-                text = open(status).read()
-            except FileNotFoundError:
-                continue
-            total += int(text.split("voluntary_ctxt_switches:")[1].split()[0])
-        return total
     before = sleeps()
     for _ in range(300):
         x.add_(1)
     return sleeps() - before
 
-counts = [sleeps_in_300_ops()]
-for throttled in (True, False):
-    throttle.set(throttled)
-    counts.append(sleeps_in_300_ops())
-print(*counts)
+def on_another_thread():
+    counted = []
+    thread = threading.Thread(target=lambda: counted.append(sleeps_in_300_ops()))
+    thread.start()
+    thread.join()
+    return counted[0]
 """
+
+
+def _probe(script: str) -> list[str]:
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
+    command = [sys.executable, "-c", _PROBE + script]
+    return subprocess.run(
+        command, env=env, capture_output=True, text=True, check=True
+    ).stdout.split()
 
 
 def test_the_spin_throttle_makes_openmp_threads_sleep_between_ops_and_lets_go() -> None:
     """libgomp's documented throttled wait, switched on and off at run time: the sibling
     sleeps at nearly every op boundary while the pool is held, hardly ever without it."""
     assert loaded_libgomp() is not None  # torch runs on libgomp here
-    env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
     if len(os.sched_getaffinity(0)) < 2:
-        pytest.fail("needs two CPUs: one has no sibling threads to sleep")
-    out = subprocess.run(
-        [sys.executable, "-c", _THROTTLE_SCRIPT],
-        env=env,
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout.split()
+        pytest.fail("needs two CPUs: on one, two threads are throttled already")
+    out = _probe(
+        "throttle = SpinThrottle(loaded_libgomp(), cpus + 1)\n"
+        "counts = [sleeps_in_300_ops()]\n"
+        "for throttled in (True, False):\n"
+        "    throttle.set(throttled)\n"
+        "    counts.append(sleeps_in_300_ops())\n"
+        "print(*counts)\n"
+    )
     long_wait, throttled, released = map(int, out)
     assert throttled >= 150, out
     assert long_wait * 4 < throttled and released * 4 < throttled, out
+
+
+def test_releasing_the_loading_threads_pool_lets_the_stepping_thread_spin() -> None:
+    """The same throttle, unasked: each thread that started parallel work keeps a pool, so
+    the thread that loaded a worker's model must let go of its own for the engine's thread
+    to spin between ops."""
+    out = _probe(
+        "x.add_(1)  # the main thread's own pool, as a worker's model loading makes one\n"
+        "throttled = on_another_thread()\n"
+        "print(release_openmp_threads(), throttled, on_another_thread())\n"
+    )
+    released, throttled, after = out[0] == "True", int(out[1]), int(out[2])
+    assert released
+    assert throttled >= 150 and after * 4 < throttled, out
