@@ -20,11 +20,10 @@ all its threads either way.
 threads spent runnable but waiting for a CPU (``run_delay`` in
 ``/proc/<pid>/task/<tid>/schedstat``), over windows of ``window_s`` spent inside forwards
 (however sparse the steps; between them the threads sleep and wait for nothing). Beyond
-``wait_share`` of the threads' time, the cores are shared: short waits. Below it for
-``free_windows`` windows in a row, they are free again: long waits. Each time that proves
-wrong (shared again within one window) the windows needed double, up to
-``MAX_FREE_WINDOWS``, so that a job that comes and goes is not spun against every other
-window.
+``wait_share`` of the threads' time, the cores are shared: short waits. Below it for a
+window, they are free again: long waits. Each time that proves wrong (shared again
+within one window) the windows in a row needed double, up to ``MAX_FREE_WINDOWS``, so
+that a job that comes and goes is not spun against every other window.
 """
 
 from __future__ import annotations
