@@ -161,9 +161,14 @@ class SpinThrottle:
         self._noop = ctypes.cast(libgomp.omp_get_thread_num, ctypes.c_void_p)
         self._requests: queue.SimpleQueue[bool] = queue.SimpleQueue()
         self._done: queue.SimpleQueue[None] = queue.SimpleQueue()
-        threading.Thread(target=self._hold, name="kvserve-spin-throttle", daemon=True).start()
+        self._holder: threading.Thread | None = None  # started at the first call
 
     def set(self, throttled: bool) -> None:
+        if self._holder is None:  # most engines never share their cores: no thread idle
+            self._holder = threading.Thread(
+                target=self._hold, name="kvserve-spin-throttle", daemon=True
+            )
+            self._holder.start()
         self._requests.put(throttled)
         self._done.get()
 
