@@ -78,11 +78,11 @@ def reference(q, pool, tables, sequences, window, scale):
 def test_kernel_matches_naive_attention(dtype, window, heads, kv_heads, block_size, head_dim):
     assert paged_kernel.load(), "the paged kernel did not build (see test_kernel_builds)"
     rng = random.Random(heads * block_size + window)
-    num_blocks = 64
+    num_blocks = 128
     pool = torch.randn(num_blocks, block_size, 2 * kv_heads, head_dim).to(dtype)
     # (start_pos, num_new): decodes, a prompt from 0, chunks after cached tokens, and a
-    # chunk longer than the kernel's 16-query tile.
-    shapes = [(0, 1), (9, 1), (40, 1), (0, 13), (21, 5), (3, 37), (50, 2)]
+    # chunk over three of the kernel's 64-token query tiles (the last one partial).
+    shapes = [(0, 1), (9, 1), (40, 1), (0, 13), (21, 5), (3, 37), (50, 2), (5, 150)]
     blocks = rng.sample(range(num_blocks), num_blocks)
     tables, rows, first = [], [], 0
     width = max(-(-(s + n) // block_size) for s, n in shapes)
