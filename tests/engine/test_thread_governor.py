@@ -210,7 +210,7 @@ def test_beside_busy_jobs_the_runner_makes_its_waits_short(
 # A process of its own for each probe (libgomp's pools and waits are per process): its
 # OpenMP threads' sleeps (voluntary context switches) over bursts of 30 small parallel ops.
 _PROBE = """
-import glob, os, threading
+import glob, os, threading, time
 import kvserve.engine  # its long OpenMP wait, before torch loads
 import torch
 from kvserve.engine.device import loaded_libgomp, release_openmp_threads, use_threads
@@ -225,16 +225,25 @@ def sleeps():
     for status in glob.glob("/proc/self/task/*/status"):
         try:
             text = open(status).read()
-        except FileNotFoundError:
+        except OSError:  # a thread that ended since the listing: ENOENT or ESRCH
             continue
-        by_thread[status] = int(text.split("voluntary_ctxt_switches:")[1].split()[0])
+        if "voluntary_ctxt_switches:" in text:
+            by_thread[status] = int(text.split("voluntary_ctxt_switches:")[1].split()[0])
     return by_thread
+
+def gap(seconds=30e-6):
+    # Python between two ops, as long on every CPU: a throttled wait (100 spins, well under
+    # a microsecond on fast cores) ends inside it, a long one (100,000) does not
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
 
 def sleeps_in_30_ops():
     # a burst of a few ms: on a busy machine some bursts run unpreempted
     before = sleeps()
     for _ in range(30):
         x.add_(1)
+        gap()
     after = sleeps()  # threads gone since are not counted, new ones from 0
     return sum(n - before.get(thread, 0) for thread, n in after.items())
 
@@ -259,9 +268,9 @@ def _probe(script: str) -> list[str]:
     env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
     env |= {"OMP_PROC_BIND": "true", "OMP_PLACES": "cores"}
     command = [sys.executable, "-c", _PROBE + script]
-    return subprocess.run(
-        command, env=env, capture_output=True, text=True, check=True
-    ).stdout.split()
+    done = subprocess.run(command, env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    return done.stdout.split()
 
 
 def test_the_spin_throttle_makes_openmp_threads_sleep_between_ops_and_lets_go() -> None:
