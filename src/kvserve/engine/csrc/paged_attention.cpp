@@ -96,9 +96,10 @@ inline void online_softmax_step(float* s, int64_t low, int64_t high, float& row_
   __m512 lanes_max = _mm512_set1_ps(kMasked);
   int64_t j = low;
   for (; j + 16 <= high; j += 16) lanes_max = _mm512_max_ps(lanes_max, _mm512_loadu_ps(s + j));
-  if (j < high)
-    lanes_max = _mm512_mask_max_ps(lanes_max, first_lanes(high - j), lanes_max,
-                                   _mm512_maskz_loadu_ps(first_lanes(high - j), s + j));
+  if (j < high) {
+    const __mmask16 tail = first_lanes(high - j);
+    lanes_max = _mm512_mask_max_ps(lanes_max, tail, lanes_max, _mm512_maskz_loadu_ps(tail, s + j));
+  }
   step_max = _mm512_reduce_max_ps(lanes_max);
   const float new_max = std::max(row_max, step_max);
   const __m512 shift = _mm512_set1_ps(new_max);
