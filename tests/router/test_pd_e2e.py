@@ -360,7 +360,14 @@ def test_prefill_worker_load_released_when_its_part_is_done(fleet: Fleet, stream
     while router_requests_on(fleet, prefill) > 0:
         assert time.monotonic() < deadline, "the prefill worker's load was never released"
         time.sleep(0.002)
-    decoding = sum(load(d)["running"] for d in fleet.decodes)
+    # The decode worker publishes its load after each step: the request it just installed
+    # shows as running one step later (under load, after the router already let go).
+    deadline = time.monotonic() + 60
+    while (decoding := sum(load(d)["running"] for d in fleet.decodes)) == 0:
+        if not threads[-1].is_alive():
+            break
+        assert time.monotonic() < deadline, "the decode worker never ran the request"
+        time.sleep(0.002)
     answered_by_then = not threads[-1].is_alive()
     threads[-1].join(120)
     assert not answered_by_then and decoding == 1  # released while the decode ran on
