@@ -18,6 +18,7 @@ from kvserve.engine import paged_kernel
 from kvserve.engine.attention import SequenceSpan, StepLayout, long_tensor
 from kvserve.engine.decode_rows import DecodeRows
 from kvserve.engine.device import pick_device, pick_dtype
+from kvserve.engine.host_allocator import keep_freed_memory
 from kvserve.engine.kv_pool import KVPool
 from kvserve.engine.models import MODEL_CLASSES
 from kvserve.engine.thread_governor import governor_for
@@ -56,6 +57,8 @@ class ModelRunner:
         self.config = ModelConfig.from_dir(model_dir)
         self.device = pick_device(device)
         self.dtype = pick_dtype(self.config, self.device, dtype)
+        if self.device.type == "cpu":  # activations live in host memory only there
+            keep_freed_memory()
         tensors = CheckpointTensors(model_dir, dtype=self.dtype, device=self.device)
         model_class = MODEL_CLASSES[self.config.architecture]
         self.model = model_class(self.config, tensors, dtype=self.dtype, device=self.device)
