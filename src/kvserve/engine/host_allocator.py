@@ -5,8 +5,8 @@ torch's CPU tensors come from glibc's ``malloc``. By default glibc serves a larg
 and gives the free top of its heap back to the system past another threshold. A step's
 activations are such blocks, made and freed a few hundred times a step, so every step
 faulted its activations' pages in afresh and the kernel zeroed each one: on the 2-core
-dev VM, a shared-prefix round of the 1024-wide model took 40–60k page faults and
-0.06–0.15 s of system time out of ~4 s (docs/benchmarks.md, "Page faults of a step's
+dev VM, a shared-prefix round of the 1024-wide model took 38–63k page faults and
+0.03–0.15 s of system time out of ~4 s (docs/benchmarks.md, "Page faults of a step's
 activations"). vLLM's CPU build asks its users to preload tcmalloc for the same reason;
 kvserve tunes glibc in place, with nothing to install.
 
