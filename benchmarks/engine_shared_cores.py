@@ -37,7 +37,7 @@ import threading
 import time
 from pathlib import Path
 
-from model_widths import WIDE, add_width_options, shape_from
+from model_widths import WIDE, add_width_options, make_wide_model
 
 SETTINGS = {
     "governed": {},
@@ -164,10 +164,8 @@ def main() -> None:
         serve(args)
         return
     if args.model is None:
-        from kvserve.engine.tiny_model import make_tiny_model
-
         folder = Path(tempfile.mkdtemp(prefix="kvserve-shared-cores-")) / "model"
-        args.model = make_tiny_model(folder, args.arch, seed=0, shape=shape_from(args))
+        args.model = make_wide_model(args, folder)
     settings = ["governed", "short-spin"] + (["long-spin"] if args.long_spin else [])
     medians = {}
     for setting in settings:

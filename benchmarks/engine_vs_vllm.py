@@ -39,7 +39,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
-from model_widths import WIDE, add_width_options, shape_from
+from model_widths import WIDE, add_width_options, make_wide_model
 
 ROOT = Path(__file__).resolve().parent.parent
 # The environment each engine's process starts from, taken before kvserve is imported here
@@ -74,9 +74,10 @@ class Workload:
 # ---- the per-engine child process -------------------------------------------------------
 
 
-def _cpu_seconds() -> float:
+def _usage() -> tuple[float, float, int]:
+    """CPU seconds, the system's part of them, and minor page faults so far."""
     usage = resource.getrusage(resource.RUSAGE_SELF)
-    return usage.ru_utime + usage.ru_stime
+    return usage.ru_utime + usage.ru_stime, usage.ru_stime, usage.ru_minflt
 
 
 def _serve_vllm(args: argparse.Namespace) -> Any:
@@ -125,7 +126,8 @@ def _serve_kvserve(args: argparse.Namespace) -> Any:
 
 
 def serve(args: argparse.Namespace) -> None:
-    """Answer one JSON line per request line on stdin: the outputs, wall and CPU seconds."""
+    """Answer one JSON line per request line on stdin: the outputs, wall, CPU and system
+    seconds, and minor page faults."""
     # Only answers go to stdout: whatever the engines print goes to stderr instead.
     answers = os.fdopen(os.dup(1), "w")
     os.dup2(2, 1)
@@ -133,20 +135,32 @@ def serve(args: argparse.Namespace) -> None:
     print(json.dumps({"ready": True}), file=answers, flush=True)
     for line in sys.stdin:
         job = json.loads(line)
-        cpu, wall = _cpu_seconds(), time.perf_counter()
+        before, wall = _usage(), time.perf_counter()
         outputs = generate(job["prompts"], job["output_len"])
-        wall, cpu = time.perf_counter() - wall, _cpu_seconds() - cpu
-        print(json.dumps({"outputs": outputs, "wall": wall, "cpu": cpu}), file=answers, flush=True)
+        wall, after = time.perf_counter() - wall, _usage()
+        cpu, system, faults = (b - a for a, b in zip(before, after, strict=True))
+        answer = {"outputs": outputs, "wall": wall, "cpu": cpu, "sys": system, "faults": faults}
+        print(json.dumps(answer), file=answers, flush=True)
 
 
 # ---- the driver -------------------------------------------------------------------------
 
 
 class Engine:
-    """One engine in its child process, pinned to the benchmark's cores."""
+    """One engine (``name``: kvserve or vllm) in its child process, pinned to the
+    benchmark's cores; ``env`` added to its environment, ``label`` naming it (default:
+    ``name``) in logs and results."""
 
-    def __init__(self, name: str, python: Path, args: argparse.Namespace, threads: int) -> None:
-        self.name = name
+    def __init__(
+        self,
+        name: str,
+        python: Path,
+        args: argparse.Namespace,
+        threads: int,
+        env: dict[str, str] | None = None,
+        label: str | None = None,
+    ) -> None:
+        self.name = label or name
         cores = ",".join(str(c) for c in sorted(os.sched_getaffinity(0))[:threads])
         env = {
             **INHERITED_ENV,
@@ -155,6 +169,7 @@ class Engine:
             "VLLM_CPU_KVCACHE_SPACE": "2",
             "VLLM_CPU_OMP_THREADS_BIND": cores,
             "PYTHONPATH": str(ROOT / "src") if name == "kvserve" else "",
+            **(env or {}),
         }
         command = [
             *("taskset", "-c", cores, str(python), __file__, "--serve", name),
@@ -163,7 +178,7 @@ class Engine:
             *("--max-num-seqs", str(args.max_num_seqs)),
             *("--max-batched-tokens", str(args.max_batched_tokens)),
         ]
-        log = open(args.log_dir / f"{name}-{args.dtype}-{threads}.log", "w")  # noqa: SIM115
+        log = open(args.log_dir / f"{self.name}-{args.dtype}-{threads}.log", "w")  # noqa: SIM115
         self._process = subprocess.Popen(
             command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, text=True, env=env
         )
@@ -264,12 +279,6 @@ def measure(args: argparse.Namespace, threads: int, workloads: list[Workload]) -
             )
 
 
-def make_model(args: argparse.Namespace) -> Path:
-    from kvserve.engine.tiny_model import make_tiny_model
-
-    return make_tiny_model(args.log_dir / "model", args.arch, seed=0, shape=shape_from(args))
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--serve", choices=["vllm", "kvserve"], help=argparse.SUPPRESS)
@@ -299,7 +308,7 @@ def main() -> None:
     if not VLLM_PYTHON.exists():
         sys.exit(f"no {VLLM_PYTHON}: run scripts/setup_vllm.sh first")
     args.log_dir = Path(tempfile.mkdtemp(prefix="kvserve-vs-vllm-"))
-    args.model = args.model or make_model(args)
+    args.model = args.model or make_wide_model(args, args.log_dir / "model")
     all_workloads = {
         "uniform": Workload("uniform", args.batch, 0, args.prompt_len, args.output_len),
         "shared-prefix": Workload(

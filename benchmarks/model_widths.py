@@ -7,6 +7,7 @@ options inside vLLM's venv, where kvserve is not importable.
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -38,3 +39,11 @@ def shape_from(args: argparse.Namespace) -> TinyShape:
     from kvserve.engine.tiny_model import TinyShape
 
     return TinyShape(**{name: getattr(args, name) for name in WIDTHS})
+
+
+def make_wide_model(args: argparse.Namespace, folder: Path) -> Path:
+    """A random-weight model of ``--arch`` and the width options in ``folder``: what the
+    engine benchmarks run on when no ``--model`` is given."""
+    from kvserve.engine.tiny_model import make_tiny_model
+
+    return make_tiny_model(folder, args.arch, seed=0, shape=shape_from(args))
