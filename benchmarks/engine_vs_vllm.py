@@ -279,9 +279,9 @@ def measure(args: argparse.Namespace, threads: int, workloads: list[Workload]) -
             )
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--serve", choices=["vllm", "kvserve"], help=argparse.SUPPRESS)
+def add_engine_options(parser: argparse.ArgumentParser) -> None:
+    """The model, each engine's limits and the workloads' sizes: also what the engine
+    child processes read (``host_allocator_ab.py`` takes them from here)."""
     parser.add_argument("--model", type=Path, help="model folder (default: made here)")
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--threads", type=int, default=1)
@@ -296,8 +296,24 @@ def main() -> None:
     parser.add_argument("--prefix-len", type=int, default=1024)
     parser.add_argument("--suffix-len", type=int, default=64)
     parser.add_argument("--prefix-output-len", type=int, default=32)
-    parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--seed", type=int, default=0)
+
+
+def workloads_from(args: argparse.Namespace) -> dict[str, Workload]:
+    """The uniform and shared-prefix workloads at the sizes ``add_engine_options`` read."""
+    return {
+        "uniform": Workload("uniform", args.batch, 0, args.prompt_len, args.output_len),
+        "shared-prefix": Workload(
+            "shared-prefix", args.batch, args.prefix_len, args.suffix_len, args.prefix_output_len
+        ),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--serve", choices=["vllm", "kvserve"], help=argparse.SUPPRESS)
+    add_engine_options(parser)
+    parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--workloads", nargs="+", default=["uniform", "shared-prefix"])
     parser.add_argument("--thread-counts", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
@@ -309,12 +325,7 @@ def main() -> None:
         sys.exit(f"no {VLLM_PYTHON}: run scripts/setup_vllm.sh first")
     args.log_dir = Path(tempfile.mkdtemp(prefix="kvserve-vs-vllm-"))
     args.model = args.model or make_wide_model(args, args.log_dir / "model")
-    all_workloads = {
-        "uniform": Workload("uniform", args.batch, 0, args.prompt_len, args.output_len),
-        "shared-prefix": Workload(
-            "shared-prefix", args.batch, args.prefix_len, args.suffix_len, args.prefix_output_len
-        ),
-    }
+    all_workloads = workloads_from(args)
     workloads = [all_workloads[name] for name in args.workloads]
     print(f"model {args.model} ({args.arch}); logs in {args.log_dir}; cpu {os.cpu_count()} cores")
     for dtype in args.dtypes:

@@ -22,25 +22,17 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from engine_vs_vllm import Engine, Workload
-from model_widths import WIDE, add_width_options, make_wide_model
+from engine_vs_vllm import Engine, Workload, add_engine_options, workloads_from
+from model_widths import make_wide_model
 
-WORKLOADS = (Workload("uniform", 16, 0, 256, 64), Workload("shared-prefix", 16, 1024, 64, 32))
 SWITCH = "KVSERVE_KEEP_FREED_MEMORY"
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--model", type=Path, help="model folder (default: made here)")
-    parser.add_argument("--dtype", default="float32")
-    parser.add_argument("--threads", type=int, default=1)
+    add_engine_options(parser)
     parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--arch", default="qwen3")
-    add_width_options(parser, **WIDE)
     args = parser.parse_args()
-    # what engine_vs_vllm.py's children read, at its defaults
-    args.max_model_len, args.max_num_seqs, args.max_batched_tokens = 2048, 16, 2048
     args.log_dir = Path(tempfile.mkdtemp(prefix="kvserve-allocator-"))
     args.model = args.model or make_wide_model(args, args.log_dir / "model")
     vocab_size = json.loads((args.model / "config.json").read_text())["vocab_size"]
@@ -51,7 +43,7 @@ def main() -> None:
             engines.append(Engine("kvserve", python, args, args.threads, {SWITCH: switch}, label))
         print(f"model {args.model}; {args.dtype}, {args.threads} thread(s), {args.rounds} rounds")
         rng = random.Random(args.seed)
-        for workload in WORKLOADS:
+        for workload in workloads_from(args).values():
             rows: dict[str, list[dict[str, Any]]] = {e.name: [] for e in engines}
             for round_index in range(args.rounds + 1):  # the first round warms up
                 prompts = workload.prompts(rng, vocab_size)
