@@ -1,5 +1,5 @@
 """``benchmarks/engine_shared_cores.py`` runs each wait setting through its three phases
-and reports whether the governed engine's waits were short."""
+and reports, each round, which waits the governed engine chose."""
 
 from __future__ import annotations
 
@@ -33,6 +33,14 @@ def test_each_setting_runs_alone_shared_and_alone_again(tiny_model_dir: Path) ->
         phases = set(re.findall(rf"^\s*{setting}\s+[\d.]+ s\s+(\w[\w ]*?):", out, re.MULTILINE))
         assert phases == {"alone", "shared", "alone again"}, out
         assert re.search(rf"^\s*{setting}: alone [\d.]+, shared [\d.]+, alone again", out, re.M)
-    assert "long waits" in out, out  # the governed engine alone
+    # The governed engine says which waits it chose on every round. Which ones depends on
+    # what else runs on the box (alone on an idle one: long; beside other jobs: short from
+    # the start), so that is the governor's own tests' question (tests/engine/
+    # test_thread_governor.py, on given counters), not this script's on a loaded CI box.
+    governed = [line for line in out.splitlines() if line.lstrip().startswith("governed ")]
+    assert governed, out
+    assert all(
+        re.search(r":\s+[\d.]+ tok/s, (short|long) waits, \d+ change", line) for line in governed
+    ), out
     short_spin = [line for line in out.splitlines() if line.lstrip().startswith("short-spin ")]
     assert all(line.endswith("not governed") for line in short_spin), out  # a user's wait
