@@ -37,10 +37,15 @@ def test_each_setting_runs_alone_shared_and_alone_again(tiny_model_dir: Path) ->
     # what else runs on the box (alone on an idle one: long; beside other jobs: short from
     # the start), so that is the governor's own tests' question (tests/engine/
     # test_thread_governor.py, on given counters), not this script's on a loaded CI box.
-    governed = [line for line in out.splitlines() if line.lstrip().startswith("governed ")]
+    governed = _rounds(out, "governed")
     assert governed, out
     assert all(
         re.search(r":\s+[\d.]+ tok/s, (short|long) waits, \d+ change", line) for line in governed
     ), out
-    short_spin = [line for line in out.splitlines() if line.lstrip().startswith("short-spin ")]
+    short_spin = _rounds(out, "short-spin")
     assert all(line.endswith("not governed") for line in short_spin), out  # a user's wait
+
+
+def _rounds(out: str, setting: str) -> list[str]:
+    """The script's line per round of ``setting`` (not its summary line)."""
+    return [line for line in out.splitlines() if line.lstrip().startswith(f"{setting} ")]
