@@ -69,9 +69,13 @@ def build(
     fleet: list[tuple[int, int, list[tuple[int, str, bool]], float | None, int, int]],
     small_fleet: int = 0,
     config: KvAwareConfig = CONFIG,
+    stores: list[str | None] | None = None,
+    join_first: bool = False,
 ) -> tuple[KvAwareRouting, list[WorkerLoad]]:
     """A routing over ``fleet``; fleets up to ``small_fleet`` workers predicted whole
-    (0: the fast rule at every size, the one these tests check)."""
+    (0: the fast rule at every size, the one these tests check); worker ``i`` loading
+    from the shared store ``stores[i]``, told before its events (``join_first``) or
+    after them."""
     routing = KvAwareRouting(config)
     routing.small_fleet = small_fleet
     loads = []
@@ -80,9 +84,13 @@ def build(
         load = WorkerLoad(worker_id, requests, tokens if requests else 0, 1.0, others)
         loads.append(load)
         routing.loads.update(load)
+        store = stores[i] if stores else None
+        if join_first:
+            routing.index.set_store(worker_id, store)
         for seq, (count, tier, diverges) in enumerate(holdings, start=1):
             hashes = [PROMPT[0], 100 + i] if diverges else PROMPT[:count]
             routing.index.apply(worker_id, KVEvent(seq, "stored", tier, tuple(hashes), None))
+        routing.index.set_store(worker_id, store)
         if queued is not None:
             routing.queue.push(worker_id, queued, now=0.0)
         routing.index.speculate(worker_id, PROMPT[:speculative], deadline=0.5)
@@ -113,6 +121,39 @@ def test_fast_rule_equals_the_exhaustive_one(
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(kv_index, "RUN_BLOCKS", run_blocks)
         assert_fast_equals_exhaustive(routing, workers, PROMPT[:prompt_blocks], now)
+
+
+@pytest.mark.parametrize("small_fleet", [0, SMALL_FLEET])
+@pytest.mark.parametrize("run_blocks", [0, kv_index.RUN_BLOCKS])
+@pytest.mark.parametrize("join_first", [False, True])
+@CONFIGS
+@settings(max_examples=200, deadline=None)
+@given(
+    fleet=st.lists(worker, min_size=1, max_size=12),
+    stores=st.lists(st.sampled_from([None, "s", "s", "t"]), min_size=12, max_size=12),
+    prompt_blocks=st.integers(0, 12),
+    now=st.floats(0.0, 0.8),
+    eligible_mask=st.integers(1, 2**12 - 1),
+)
+def test_fast_rule_equals_the_exhaustive_one_with_shared_stores(
+    small_fleet: int,
+    run_blocks: int,
+    join_first: bool,
+    config: KvAwareConfig,
+    fleet: list[tuple[int, int, list[tuple[int, str, bool]], float | None, int, int]],
+    stores: list[str | None],
+    prompt_blocks: int,
+    now: float,
+    eligible_mask: int,
+) -> None:
+    """Workers loading from two shared stores and none: a member is matched through what
+    any member stored, in the groups of the walk as in each worker's own."""
+    routing, loads = build(fleet, small_fleet, config, stores, join_first)
+    workers = [w for i, w in enumerate(loads) if eligible_mask >> i & 1] or loads[:1]
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(kv_index, "RUN_BLOCKS", run_blocks)
+        assert_fast_equals_exhaustive(routing, workers, PROMPT[:prompt_blocks], now)
+    routing.index.check()
 
 
 shared = st.tuples(

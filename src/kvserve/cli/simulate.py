@@ -81,6 +81,13 @@ def register(app: typer.Typer) -> None:
             float, typer.Option(help="PD fleets: seconds each transfer adds.")
         ] = 1e-3,
         cache_tokens: Annotated[int, typer.Option(help="KV cache tokens per worker.")] = 3_000_000,
+        store_tokens: Annotated[
+            int,
+            typer.Option(
+                help="Mixed fleets: a KV store of this many tokens every worker writes "
+                "through to and loads from (as workers on one --kv-storage); 0: none."
+            ),
+        ] = 0,
         policy: Annotated[
             str,
             typer.Option(
@@ -279,19 +286,22 @@ def register(app: typer.Typer) -> None:
         kv_aware_overrides = {k: v for k, v in kv_aware_flags.items() if v is not None}
         try:
             cost = cost_profile(profile)
+            kv_aware = KvAwareConfig.from_cost_model(cost, **kv_aware_overrides)
             config = SimConfig(
                 num_workers=workers,
                 cache_tokens=cache_tokens,
                 cost=cost,
                 max_num_batched_tokens=max_num_batched_tokens,
                 seed=seed,
-                kv_aware=KvAwareConfig.from_cost_model(cost, **kv_aware_overrides),
+                kv_aware=kv_aware,
                 router_replicas=router_replicas,
                 load_report_interval_s=load_report_interval,
                 announce_delay_s=announce_delay if announce and router_replicas > 1 else None,
                 prefill_workers=prefill or 0,
                 transfer_gbps=transfer_gbps,
                 transfer_latency_s=transfer_latency,
+                store_tokens=store_tokens,
+                store_load_token_s=kv_aware.storage_load_token_s,
             )
             loaded = load_trace(trace, limit=limit, speedup=speedup)
             if spread_arrivals:
@@ -309,7 +319,8 @@ def register(app: typer.Typer) -> None:
                 else f"{workers} workers"
             )
             + f" x {cache_tokens:,} cache tokens, profile {profile}, "
-            f"{router_replicas} router replica(s)"
+            + (f"a {store_tokens:,}-token shared store, " if store_tokens else "")
+            + f"{router_replicas} router replica(s)"
             + (f", load reports every {load_report_interval:g} s" if load_report_interval else "")
             + (
                 f", announcements after {announce_delay:g} s"

@@ -95,6 +95,14 @@ def register(app: typer.Typer) -> None:
             int | None,
             typer.Option(help="Size bound of a file: storage directory (default: 8 GiB)."),
         ] = None,
+        kv_storage_id: Annotated[
+            str | None,
+            typer.Option(
+                help="The store's name for the router: workers giving the same one load "
+                "each other's stored blocks (default: its location; give one for a "
+                "directory shared between machines)."
+            ),
+        ] = None,
         kv_transfer: Annotated[
             str,
             typer.Option(help="PD roles: how KV blocks travel: tcp (built-in) | mooncake."),
@@ -177,6 +185,7 @@ def register(app: typer.Typer) -> None:
                     else kv_storage_max_bytes
                 ),
                 write_policy=storage_write_policy,
+                storage_id=kv_storage_id,
             )
         except ValueError as error:
             raise typer.BadParameter(str(error)) from error

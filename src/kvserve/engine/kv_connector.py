@@ -99,6 +99,11 @@ class KVConnector:
         with the event log's ``last_seq`` when taken on the engine thread."""
         return {}
 
+    def shared_store(self) -> str | None:
+        """The name of the KV store other workers also load from, which this
+        connector's ``storage`` events describe (None: none)."""
+        return None
+
     def check(self) -> None:
         """Raise :class:`~kvserve.core.invariants.InvariantError` if this connector's
         state is inconsistent (tests, ``/debug/check``)."""

@@ -13,6 +13,9 @@ class KVTierConfig:
     host_memory: int = 0  # or bytes of host memory, made into blocks of the model's layout
     storage: str | None = None  # "file:DIR" | "redis://host:port" (None: no storage tier)
     storage_max_bytes: int = DEFAULT_FILE_STORAGE_BYTES  # bound of the file backend
+    # the store's name for the router, where its location alone does not say which
+    # workers share it (engine/storage/identity.py); None: from the URL
+    storage_id: str | None = None
     write_policy: str = "write_through"  # to storage: "write_through" | "hit_count:K"
     max_pending_writes: int = 1024  # blocks queued for storage before writes are dropped
 

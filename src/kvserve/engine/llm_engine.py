@@ -270,6 +270,10 @@ class LLMEngine:
         """The tiers below the device, as the connectors' events describe them."""
         return {tier: blocks for c in self.connectors for tier, blocks in c.snapshot().items()}
 
+    def shared_store(self) -> str | None:
+        """The KV store this engine's storage tier shares with other workers, by name."""
+        return next((s for c in self.connectors if (s := c.shared_store()) is not None), None)
+
     def check(self) -> None:
         """The KV cache's invariants and every connector's."""
         self.kv_cache.check()

@@ -187,7 +187,9 @@ class KVEventSubscriber:
         self.apply_snapshot(worker.worker_id, snapshot)
 
     def apply_snapshot(self, worker_id: str, snapshot: dict[str, Any]) -> None:
-        """A ``/kv/snapshot`` answer: every tier replaced, the stream continues after it."""
+        """A ``/kv/snapshot`` answer: the store the worker loads from (``storage_id``, absent
+        for none), every tier replaced, the stream continues after it."""
+        self._policy.observe_store(worker_id, snapshot.get("storage_id"))
         for tier, blocks in _tiers_of(snapshot).items():
             self._policy.observe_snapshot(worker_id, tier, [block[0] for block in blocks])
         self.last_seq[worker_id] = int(snapshot["last_seq"])

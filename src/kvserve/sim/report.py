@@ -50,6 +50,9 @@ class PolicySummary:
     pd_remote_share: float | None = None
     pd_transfer_mean_s: float | None = None
     unfinished: int = 0  # never served: stuck when nothing was left to happen
+    # With a shared store (None otherwise): prompt tokens loaded from it / prompt tokens,
+    # over served requests (a part of the hit rate)
+    store_hit_rate: float | None = None
 
 
 def summarize(result: SimResult, slo_ttft_s: float | None = None) -> PolicySummary:
@@ -80,6 +83,13 @@ def summarize(result: SimResult, slo_ttft_s: float | None = None) -> PolicySumma
         pd_remote_share=_remote_share(result, served),
         pd_transfer_mean_s=_transfer_mean(result, served),
         unfinished=result.unfinished,
+        store_hit_rate=(
+            None
+            if result.store_loaded_tokens is None
+            else result.store_loaded_tokens / prompt
+            if prompt
+            else 0.0
+        ),
     )
 
 

@@ -35,6 +35,10 @@ decode worker prefills after all; the decode worker holds one request (and the p
 tokens until the first token when the router predicted a local prefill). A request's
 cached tokens are the prompt tokens no worker computed for it. One router replica.
 
+With ``store_tokens`` > 0 every worker of a mixed fleet writes through to one shared KV
+store of that many tokens and loads from it (:mod:`kvserve.sim.shared_store`); the
+policies hear of it as the router does, from each worker's snapshot and storage events.
+
 ``global`` is the reference ceiling: N schedulers (N GPUs) over one shared cache of N×T
 tokens, so every request finds every prefix ever computed and still in that cache; with
 it, routing has only load to decide.
@@ -51,6 +55,7 @@ from dataclasses import dataclass, field
 from kvserve.core.cost_model import CostModel
 from kvserve.core.hashing import make_namespace
 from kvserve.core.kv_cache_manager import KVCacheManager
+from kvserve.core.kv_events import KVEvent
 from kvserve.core.request import Request, RequestStatus
 from kvserve.core.routing.announcements import Announcement
 from kvserve.core.routing.cache_aware import CacheAwareConfig
@@ -71,6 +76,7 @@ from kvserve.sim.disaggregation import (
     reserve,
 )
 from kvserve.sim.replicas import RouterReplica
+from kvserve.sim.shared_store import STORE_ID, SimStore
 from kvserve.sim.trace import BLOCK_TOKENS, TraceRequest
 from kvserve.sim.worker import SimWorker
 
@@ -102,6 +108,8 @@ class SimConfig:
     pd: PDConfig = field(default_factory=PDConfig)
     transfer_gbps: float = 12.5  # one 100 Gb/s NIC's worth, in GB/s
     transfer_latency_s: float = 1e-3  # per transfer: connection, request, install
+    store_tokens: int = 0  # > 0: a KV store of this many tokens the whole fleet shares
+    store_load_token_s: float = 10e-6  # loading from it (kv_aware's storage_load_token_s)
 
     def __post_init__(self) -> None:
         if self.num_workers < 1:
@@ -119,6 +127,12 @@ class SimConfig:
             raise ValueError("announce_delay_s must be >= 0")
         if self.cache_tokens < BLOCK_TOKENS:
             raise ValueError(f"cache_tokens must hold at least one {BLOCK_TOKENS}-token block")
+        if self.store_tokens and self.store_tokens < BLOCK_TOKENS:
+            raise ValueError(f"store_tokens must hold at least one {BLOCK_TOKENS}-token block")
+        if self.store_tokens < 0 or self.store_load_token_s < 0:
+            raise ValueError("store_tokens and store_load_token_s must be >= 0")
+        if self.store_tokens and self.prefill_workers:
+            raise ValueError("a shared store is simulated for mixed fleets only")
 
     @property
     def blocks_per_worker(self) -> int:
@@ -157,6 +171,7 @@ class SimResult:
     # Requests still waiting when nothing was left to happen (see docs/internals.md,
     # "Simulating prefill/decode fleets": a decode worker's leases can starve its queue)
     unfinished: int = 0
+    store_loaded_tokens: int | None = None  # with a shared store: tokens loaded from it
 
 
 @dataclass(slots=True)
@@ -232,14 +247,25 @@ class Simulation:
             caches = [shared] * config.num_workers
         else:
             caches = [KVCacheManager(config.blocks_per_worker, BLOCK_TOKENS) for _ in ids]
+        self._shared_cache = policy_name == GLOBAL
+        # global's one cache already holds every prefix the fleet computed: no store
+        self.store = (
+            SimStore(config.store_tokens // BLOCK_TOKENS, config.store_load_token_s)
+            if config.store_tokens and not self._shared_cache
+            else None
+        )
         self.workers = {
-            w: SimWorker(w, cache, config.cost, scheduler_config)
+            w: SimWorker(w, cache, config.cost, scheduler_config, self.store)
             for w, cache in zip(ids, caches, strict=True)
         }
-        self._shared_cache = policy_name == GLOBAL
+        if self.store is not None:
+            for replica in self.replicas:
+                for worker_id in ids:
+                    replica.policy.observe_store(worker_id, STORE_ID)
         self._routed = 0
         self._next_report = 0.0
         self._steps: list[tuple[float, int, str]] = []  # (end time, order, worker)
+        self._step_of: dict[str, int] = {}  # worker -> the order of its step in flight
         # (arrival time, order, sender, announcement) of announcements under way
         self._deliveries: list[tuple[float, int, int, Announcement]] = []
         # (decision time, order, arrival time, trace entry, request, replica index) of
@@ -294,8 +320,9 @@ class Simulation:
                 now, _, request_id = heapq.heappop(self._transfers)
                 self._transfer_ended(request_id, now, self._horizon(trace, next_arrival))
             elif self._steps and (arrival_time is None or self._steps[0][0] <= arrival_time):
-                now, _, worker_id = heapq.heappop(self._steps)
-                self._end_step(self.workers[worker_id], now, trace, next_arrival)
+                now, order, worker_id = heapq.heappop(self._steps)
+                if self._step_of[worker_id] == order:  # else a wait an arrival cut short
+                    self._end_step(self.workers[worker_id], now, trace, next_arrival)
             else:
                 assert arrival_time is not None
                 next_arrival += 1
@@ -313,6 +340,7 @@ class Simulation:
             wall_s=time.perf_counter() - started,
             prefill_workers=tuple(self._prefill_ids),
             unfinished=len(self._arrivals),
+            store_loaded_tokens=None if self.store is None else self.store.loaded_tokens,
         )
 
     def _horizon(self, trace: Sequence[TraceRequest], next_arrival: int) -> float:
@@ -375,6 +403,8 @@ class Simulation:
         self._served_by[spec.request_id] = (worker_id, replica)
         worker = self.workers[worker_id]
         worker.add(request)
+        if worker.waiting_for_load:  # idle but for a load: the new request may run now
+            worker.stop_waiting()
         if worker.busy_until is None:
             self._start(worker, now, horizon)
 
@@ -411,6 +441,7 @@ class Simulation:
         duration = worker.start_step(now, horizon)
         if duration is not None:
             heapq.heappush(self._steps, (now + duration, self._order, worker.worker_id))
+            self._step_of[worker.worker_id] = self._order
             self._order += 1
 
     def _end_step(
@@ -436,6 +467,8 @@ class Simulation:
             self._announce(replica, now)
         if not self._shared_cache:
             events = worker.new_events()
+            if self.store is not None:
+                events = [*events, *self._write_through(events)]
             for replica in self.replicas:
                 replica.policy.observe_events(worker.worker_id, events)
         horizon = self._horizon(trace, next_arrival)  # transfers started above count
@@ -444,6 +477,20 @@ class Simulation:
         for candidate in waiting:
             if candidate.busy_until is None and candidate.has_work:
                 self._start(candidate, now, horizon)
+
+    def _write_through(self, events: Sequence[KVEvent]) -> list[KVEvent]:
+        """Write the blocks a worker's step committed to the shared store; its storage
+        events, as that worker would announce them: each write, then what it evicted."""
+        assert self.store is not None
+        writes = [
+            KVEvent(0, "stored", "storage", event.block_hashes, event.parent_hash)
+            for event in events
+            if event.kind == "stored" and event.tier == "device"
+        ]
+        evicted = [h for write in writes for h in self.store.write(write.block_hashes)]
+        if evicted:
+            writes.append(KVEvent(0, "removed", "storage", tuple(evicted)))
+        return writes
 
     def _record(self, request: Request, now: float) -> RouterReplica:
         """Record a finished request; returns the replica that routed it."""

@@ -12,6 +12,10 @@ sum of ``k`` steps. ``k`` stops at the first request to finish, at the caller's 
 (the next arrival, when routing could add work) and at the step's token budget, and a run
 is only planned when the pool has the blocks for it, so no preemption can differ from
 ``k`` single steps. This turns the per-token Python loop into one call per run.
+
+With a fleet's shared store (:mod:`kvserve.sim.shared_store`), a request waits for its
+load from the store, beside the steps; a worker with nothing else to run waits for the
+next load to end (an empty step, not counted as busy, that an arrival cuts short).
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from kvserve.core.kv_cache_manager import KVCacheManager
 from kvserve.core.kv_events import KVEvent
 from kvserve.core.request import Request
 from kvserve.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from kvserve.sim.shared_store import SimStore, StoreLoads
 
 GENERATED_TOKEN = 0
 
@@ -42,12 +47,15 @@ class SimWorker:
         kv_cache: KVCacheManager,
         cost: CostModel,
         config: SchedulerConfig,
+        store: SimStore | None = None,
     ) -> None:
         self.worker_id = worker_id
         self.kv_cache = kv_cache
         self.cost = cost
-        self.scheduler = Scheduler(kv_cache, config)
+        self._loads = StoreLoads(store, kv_cache) if store is not None else None
+        self.scheduler = Scheduler(kv_cache, config, self._loads)
         self.busy_until: float | None = None  # end of the step in flight
+        self.waiting_for_load = False  # the step in flight is only a wait for a load
         self.busy_s = 0.0
         self._plan: SchedulerOutput | None = None
         self._events_seen = 0
@@ -61,6 +69,8 @@ class SimWorker:
 
     def start_step(self, now: float, horizon: float) -> float | None:
         """Plan the next step; returns its duration, None if there is nothing to run."""
+        if self._loads is not None:
+            self._loads.now = now
         steps = self._decode_run_length(horizon - now)
         if steps > 1:
             for request in self.scheduler.running:
@@ -71,8 +81,14 @@ class SimWorker:
         else:
             plan = self.scheduler.schedule()
             duration = self.cost.step_time((c.start, c.num_tokens) for c in plan.chunks)
+            if self._loads is not None:
+                self._loads.release_admitted()
         if not plan.chunks and not plan.finished_before_run:
-            return None
+            ready_at = self._loads.next_ready() if self._loads is not None else None
+            if ready_at is None:
+                return None
+            self._plan, self.busy_until, self.waiting_for_load = plan, ready_at, True
+            return ready_at - now
         self._plan = plan
         self.busy_until = now + duration
         self.busy_s += duration
@@ -82,6 +98,7 @@ class SimWorker:
         """Apply the planned step: computed tokens, sampled tokens, finished requests."""
         plan, self._plan, self.busy_until = self._plan, None, None
         assert plan is not None, "finish_step without a step in flight"
+        self.waiting_for_load = False
         result = StepResult(finished=list(plan.finished_before_run))
         self.scheduler.advance(plan)
         for chunk in plan.chunks:
@@ -95,6 +112,11 @@ class SimWorker:
                 self.scheduler.finish(request, "length")
                 result.finished.append(request)
         return result
+
+    def stop_waiting(self) -> None:
+        """End a wait for a load early (a request arrived: it may run now)."""
+        assert self.waiting_for_load, "only a wait for a load is cut short"
+        self.finish_step()
 
     def new_events(self) -> Sequence[KVEvent]:
         """Events this worker's cache emitted since the last call (for the router's index)."""

@@ -40,11 +40,12 @@ def event_body(event: KVEvent) -> dict[str, Any]:
 
 def _take_snapshot(
     engine: LLMEngine,
-) -> tuple[int, BlockList, Mapping[str, BlockList]]:
+) -> tuple[int, BlockList, Mapping[str, BlockList], str | None]:
     """Every tier at one ``last_seq``: run on the engine thread, where every tier's
-    events are emitted, so no event falls between the device and the other tiers."""
+    events are emitted, so no event falls between the device and the other tiers. With
+    them, the name of the store the storage tier shares with other workers."""
     last_seq, device = engine.kv_cache.snapshot()
-    return last_seq, device, engine.connector_snapshot()
+    return last_seq, device, engine.connector_snapshot(), engine.shared_store()
 
 
 def _pairs(blocks: BlockList) -> list[list[int | None]]:
@@ -72,15 +73,16 @@ def build_events_router(bridge: EngineBridge, block_size: int) -> APIRouter:
 
     @router.get("/snapshot")
     async def kv_snapshot() -> Response:
-        last_seq, device, below = await bridge.call(_take_snapshot)
-        return JSONResponse(
-            {
-                "last_seq": last_seq,
-                "tier": "device",
-                "block_size": block_size,
-                "blocks": _pairs(device),
-                "tiers": {tier: _pairs(blocks) for tier, blocks in below.items()},
-            }
-        )
+        last_seq, device, below, store = await bridge.call(_take_snapshot)
+        body: dict[str, Any] = {
+            "last_seq": last_seq,
+            "tier": "device",
+            "block_size": block_size,
+            "blocks": _pairs(device),
+            "tiers": {tier: _pairs(blocks) for tier, blocks in below.items()},
+        }
+        if store is not None:
+            body["storage_id"] = store
+        return JSONResponse(body)
 
     return router

@@ -132,6 +132,9 @@ class AnnouncingPolicy(Policy):
     def observe_snapshot(self, worker_id: str, tier: str, block_hashes: Iterable[int]) -> None:
         self.inner.observe_snapshot(worker_id, tier, block_hashes)
 
+    def observe_store(self, worker_id: str, store_id: str | None) -> None:
+        self.inner.observe_store(worker_id, store_id)
+
     def observe_load(self, load: WorkerLoad) -> None:
         self.inner.observe_load(load)
 

@@ -512,6 +512,17 @@ def _chosen(
     return KvAwareChoice(Prediction(worker, cached, ttft), reason)
 
 
+def _stored_terms(
+    stored: Sequence[tuple[bytes, float, float, int]], byte: int, bit: int
+) -> tuple[float, float, int] | None:
+    """The prompt's terms (prefill, loading, cached) of the store-continued layer whose
+    members' mask has ``bit`` in ``byte``, if one has."""
+    for members, prefill_s, loading_s, cached in stored:
+        if members[byte] & bit:
+            return prefill_s, loading_s, cached
+    return None
+
+
 class _WholeFleet(NamedTuple):
     """A small fleet's scores as :meth:`KvAwareRouting._whole_fleet` groups them. The
     workers matched on device to one depth share the prompt's terms: their TTFTs are
@@ -927,7 +938,7 @@ class KvAwareRouting:
         grouped by the index's layers of holders by depth: the prompt's terms computed
         once per depth, a worker found in its layer by a byte lookup, its load term
         appended to its layer's (a worker not seen before learnt here)."""
-        layers, apart_matches = self.index.holder_layers(block_hashes, now)
+        layers, loading, apart_matches = self.index.holder_layers(block_hashes, now)
         entries, update = self.loads.entries, self.loads.update
         config = self.config
         by_layer: list[tuple[bytes, list[float], list[WorkerLoad]]] = []
@@ -940,7 +951,13 @@ class KvAwareRouting:
             groups.append(
                 (config.prefill_s(prompt_tokens - cached, cached), cached, terms, held_by)
             )
-        width = len(layers[0][1]) if layers else 0
+        # continued by a shared store: scored as the holders apart are, in _ttft's order
+        # of additions (the load term, then the prefill, then the loading)
+        stored = [
+            (members, *_prompt_terms(match, prompt_tokens, block_size, config))
+            for match, members in loading
+        ]
+        width = len(layers[0][1]) if layers else len(loading[0][1]) if loading else 0
         missed_terms: list[float] = []
         missed: list[WorkerLoad] = []
         apart: list[tuple[WorkerLoad, float, int]] = []
@@ -964,6 +981,12 @@ class KvAwareRouting:
                     apart.append((worker, term + prefill_s + loading_s, cached))
                     continue
             byte = entry.mask_byte
+            if stored and byte < width:
+                through = _stored_terms(stored, byte, entry.mask_bit)
+                if through is not None:
+                    prefill_s, loading_s, cached = through
+                    apart.append((worker, term + prefill_s + loading_s, cached))
+                    continue
             # past the layers' bytes: a worker learnt since the walk, which holds nothing
             for members, terms, held_by in by_layer if byte < width else ():
                 if members[byte] & entry.mask_bit:
@@ -997,7 +1020,7 @@ class KvAwareRouting:
                 self._pool_known = workers
         groups = self.index.holder_groups(block_hashes, now)
         chosen = [(w, match) for w, match in groups.apart.items() if w in by_id]
-        for match, members in groups.on_device:
+        for match, members in groups.shared:
             chosen += [(w, match) for w in self._lightest_holders(members, by_id, now, tie_key)]
         lightest = self._lightest_loads(by_id, groups.every, now, tie_key, salted)
         chosen += [(w, _NO_MATCH) for w in lightest]

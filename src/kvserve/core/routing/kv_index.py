@@ -20,7 +20,9 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from itertools import filterfalse, islice, takewhile
 
+from kvserve.core.invariants import require
 from kvserve.core.kv_events import KVEvent
+from kvserve.core.routing.shared_stores import SharedStore
 from kvserve.core.routing.speculative_masks import SHARD_MASK, SpeculativeMasks
 
 TIERS: tuple[str, ...] = ("device", "host", "storage")  # fastest first
@@ -69,13 +71,14 @@ class SlotSet:
 class HolderGroups:
     """The holders of a prompt's prefix, as :meth:`KVBlockIndex.holder_groups` finds them.
 
-    ``on_device``: one :class:`WorkerMatch` per depth, shared by the workers whose slots'
-    first bits are set in its mask (everything they match is on device or speculative);
-    ``apart``: the holders with a host or storage block, each with its own match;
-    ``every``: all of them.
+    ``shared``: each :class:`WorkerMatch` that several workers share, with the mask of
+    their slots' first bits: one per depth matched on device (or speculatively), and one
+    per depth a shared store continues (:mod:`~kvserve.core.routing.shared_stores`);
+    ``apart``: the holders with a host or storage block of their own, each with its own
+    match; ``every``: all of them.
     """
 
-    on_device: list[tuple[WorkerMatch, int]]
+    shared: list[tuple[WorkerMatch, int]]
     apart: dict[str, WorkerMatch]
     every: SlotSet
 
@@ -100,6 +103,9 @@ class KVBlockIndex:
     recently stored or matched are forgotten, every holder at once, and counted in
     ``evicted_entries``. A forgotten block only makes the index under-report a prefix
     (its holders look colder than they are), never over-report one.
+
+    Workers that load from one store (:meth:`set_store`) share what any of them
+    announced in its storage tier: see :mod:`~kvserve.core.routing.shared_stores`.
     """
 
     def __init__(self, max_entries: int | None = None) -> None:
@@ -134,6 +140,10 @@ class KVBlockIndex:
         self._recency: OrderedDict[int, None] | None = (
             OrderedDict() if max_entries is not None else None
         )
+        self._store_of: dict[str, str] = {}  # worker -> the store it loads from
+        self._stores: dict[str, SharedStore] = {}
+        self._store_bits = 0  # every member's storage bit: dropping one unvouches
+        self._shared: list[SharedStore] = []  # the stores of two members or more
 
     # ---------------------------------------------------------------- what workers report
 
@@ -151,8 +161,36 @@ class KVBlockIndex:
         self._clear(worker_id, tier)
         self._store(worker_id, tier, block_hashes)
 
+    def set_store(self, worker_id: str, store_id: str | None) -> None:
+        """``worker_id`` loads from the store named ``store_id`` (None: from no store
+        another worker writes): every block a member announced in its storage tier is
+        then in this worker's match too, where its own match ends."""
+        old = self._store_of.get(worker_id)
+        if old == store_id:
+            return
+        slot = self._slot(worker_id)
+        first, storage = _bit(slot, "device"), _bit(slot, "storage")
+        held = self._held.get((worker_id, "storage"), {})
+        if old is not None:
+            store = self._stores[old]
+            store.leave(first, storage, held)
+            if not store.members:
+                del self._stores[old]
+            del self._store_of[worker_id]
+        if store_id is not None:
+            self._stores.setdefault(store_id, SharedStore()).join(first, storage, held)
+            self._store_of[worker_id] = store_id
+        self._store_bits = 0
+        for store in self._stores.values():
+            self._store_bits |= store.storage_bits
+        self._shared = [store for store in self._stores.values() if store.members > 1]
+
+    def store_of(self, worker_id: str) -> str | None:
+        return self._store_of.get(worker_id)
+
     def remove_worker(self, worker_id: str) -> None:
         """Forget a worker that left the fleet, speculation included."""
+        self.set_store(worker_id, None)
         for tier in [t for w, t in self._held if w == worker_id]:
             self._clear(worker_id, tier)
         slot = self._slots.pop(worker_id, None)
@@ -195,6 +233,7 @@ class KVBlockIndex:
         bit = _bit(self._slot(worker_id), tier)
         holders = self._holders
         held = self._held.setdefault((worker_id, tier), {})
+        store = self._stores[self._store_of[worker_id]] if bit & self._store_bits else None
         pending = self._speculative.get(worker_id)
         confirmed: list[int] = []  # speculated here, now reported: the event replaces the guess
         recency = self._recency
@@ -203,6 +242,8 @@ class KVBlockIndex:
             if not mask & bit:
                 holders[block_hash] = _compact(mask | bit)
                 self.num_entries += 1
+                if store is not None:
+                    store.vouch(block_hash)
             held[block_hash] = None
             if recency is not None:
                 recency[block_hash] = None
@@ -223,6 +264,9 @@ class KVBlockIndex:
             evicted = mask.bit_count()
             self.num_entries -= evicted
             self.evicted_entries += evicted
+            if mask & self._store_bits:
+                for store in self._stores.values():
+                    store.vouched.pop(block_hash, None)
             while mask:
                 low = mask & -mask
                 slot, tier = divmod(low.bit_length() - 1, len(TIERS))
@@ -232,6 +276,10 @@ class KVBlockIndex:
                 mask ^= low
 
     def _remove(self, worker_id: str, tier: str, block_hashes: Iterable[int]) -> None:
+        store_id = self._store_of.get(worker_id) if tier == "storage" else None
+        if store_id is not None:
+            self._remove_from_store(self._stores[store_id], block_hashes)
+            return
         held = self._held.get((worker_id, tier))
         if held is None:
             return
@@ -240,6 +288,20 @@ class KVBlockIndex:
             if block_hash in held:
                 del held[block_hash]
                 self._drop_bit(block_hash, bit)
+
+    def _remove_from_store(self, store: SharedStore, block_hashes: Iterable[int]) -> None:
+        """A member's store evicted these blocks: no member has them any more, whichever
+        of them announced them (a member withdrawing a block it no longer vouches for,
+        which may still be stored, only makes the others look colder)."""
+        for block_hash in block_hashes:
+            mask = _mask(self._holders.get(block_hash, 0)) & store.storage_bits
+            while mask:
+                low = mask & -mask
+                worker_id = self._slot_workers[(low.bit_length() - 1) // len(TIERS)]
+                assert worker_id is not None, "a free slot holds no bits"
+                del self._held[(worker_id, "storage")][block_hash]
+                self._drop_bit(block_hash, low)
+                mask ^= low
 
     def _clear(self, worker_id: str, tier: str) -> None:
         held = self._held.pop((worker_id, tier), ())
@@ -251,12 +313,43 @@ class KVBlockIndex:
     def _drop_bit(self, block_hash: int, bit: int) -> None:
         mask = _mask(self._holders[block_hash]) & ~bit
         self.num_entries -= 1
+        if bit & self._store_bits:
+            for store in self._stores.values():
+                if bit & store.storage_bits:
+                    store.unvouch(block_hash)
         if mask:
             self._holders[block_hash] = _compact(mask)
         else:
             del self._holders[block_hash]
             if self._recency is not None:
                 self._recency.pop(block_hash, None)
+
+    def check(self) -> None:
+        """Raise :class:`~kvserve.core.invariants.InvariantError` unless the masks, the
+        per-(worker, tier) records and each shared store's counts agree (tests)."""
+        entries = 0
+        for (worker_id, tier), held in self._held.items():
+            bit = _bit(self._slots[worker_id], tier)
+            for block_hash in held:
+                require(
+                    bool(_mask(self._holders.get(block_hash, 0)) & bit), "a record without its bit"
+                )
+            entries += len(held)
+        masks = sum(_mask(stored).bit_count() for stored in self._holders.values())
+        require(entries == masks == self.num_entries, "the entry count is off")
+        for store_id, store in self._stores.items():
+            members = [w for w, s in self._store_of.items() if s == store_id]
+            require(len(members) == store.members > 0, "a store's member count is off")
+            counts: dict[int, int] = {}
+            first = storage = 0
+            for worker_id in members:
+                slot = self._slots[worker_id]
+                first |= _bit(slot, "device")
+                storage |= _bit(slot, "storage")
+                for block_hash in self._held.get((worker_id, "storage"), ()):
+                    counts[block_hash] = counts.get(block_hash, 0) + 1
+            require((first, storage) == (store.first_bits, store.storage_bits), "member bits")
+            require(counts == store.vouched, "a store's vouched blocks are not its members'")
 
     # ---------------------------------------------------------------- speculation
 
@@ -326,39 +419,51 @@ class KVBlockIndex:
         self, block_hashes: Sequence[int], worker_ids: Iterable[str], now: float
     ) -> dict[str, WorkerMatch]:
         """Each worker's longest prefix of ``block_hashes`` held in any tier (or predicted
-        by an unexpired speculative entry), as :class:`WorkerMatch`: one walk per worker,
-        the reference that :meth:`match_holders` must agree with."""
+        by an unexpired speculative entry, or continued by its shared store), as
+        :class:`WorkerMatch`: one walk per worker, the reference that
+        :meth:`match_holders` must agree with."""
         self.expire(now)
-        return {w: self._walk(w, block_hashes, len(block_hashes)) for w in worker_ids}
+        return {w: self._walk_with_store(w, block_hashes) for w in worker_ids}
+
+    def _walk_with_store(self, worker_id: str, block_hashes: Sequence[int]) -> WorkerMatch:
+        """``worker_id``'s own match, then its store's run of the blocks after it."""
+        end = len(block_hashes)
+        match = self._walk(worker_id, block_hashes, end)
+        store_id = self._store_of.get(worker_id)
+        if store_id is None:
+            return match
+        return _loading(match, self._stores[store_id].run(block_hashes, match.num_blocks, end))
 
     def match_holders(self, block_hashes: Sequence[int], now: float) -> dict[str, WorkerMatch]:
         """:meth:`match` for every worker whose match is not empty: :meth:`holder_groups`,
         each group's members listed."""
         groups = self.holder_groups(block_hashes, now)
         result = dict(groups.apart)
-        for match, members in groups.on_device:
+        for match, members in groups.shared:
             for worker_id in self.members(members):
                 result[worker_id] = match
         return result
 
     def holder_layers(
         self, block_hashes: Sequence[int], now: float
-    ) -> tuple[list[tuple[int, bytes]], dict[str, WorkerMatch]]:
+    ) -> tuple[list[tuple[int, bytes]], list[tuple[WorkerMatch, bytes]], dict[str, WorkerMatch]]:
         """:meth:`holder_groups` for a fleet predicted whole, as its scoring reads it:
         (matched blocks, members) per depth for the holders whose match is all on device
         (or speculative), the members as the mask's bytes (little-endian, as long as
-        every slot's: slot ``s`` is in iff ``members[3s >> 3] >> (3s & 7) & 1``), and the
-        other holders' matches split by tier, by worker. A worker is then found in its
-        layer by a byte lookup: listing a popular prefix's holders bit by bit cost more
-        than the rest of a 100-worker decision."""
-        depths, apart = self._split_by_tier(block_hashes, now)
+        every slot's: slot ``s`` is in iff ``members[3s >> 3] >> (3s & 7) & 1``); the
+        same, with their match, for the groups a shared store continues; and the other
+        holders' matches split by tier, by worker. A worker is then found in its layer
+        by a byte lookup: listing a popular prefix's holders bit by bit cost more than
+        the rest of a 100-worker decision."""
+        depths, stored, apart = self._split_by_tier(block_hashes, now)
         width = (self._first_bits.bit_length() + 7) // 8
         layers = [
             (matched, on_device.to_bytes(width, "little"))
             for matched, _, on_device in depths
             if on_device
         ]
-        return layers, apart
+        loading = [(match, members.to_bytes(width, "little")) for match, members in stored]
+        return layers, loading, apart
 
     def holder_groups(self, block_hashes: Sequence[int], now: float) -> HolderGroups:
         """Every worker whose match is not empty, in one walk of the prompt whatever the
@@ -368,9 +473,10 @@ class KVBlockIndex:
         a block narrows it with two mask operations, and the workers it drops have their
         depth: one mask per depth, never a step per worker. A worker whose matched blocks
         are all on device (or speculative) is done then; the few with a host or storage
-        block in their prefix are walked once more alone for the split by tier.
+        block in their prefix are walked once more alone for the split by tier. A shared
+        store's members are then matched further where the store continues their match.
         """
-        depths, apart = self._split_by_tier(block_hashes, now)
+        depths, stored, apart = self._split_by_tier(block_hashes, now)
         groups: list[tuple[WorkerMatch, int]] = []
         every = 0
         for matched, members, on_device in depths:
@@ -379,14 +485,19 @@ class KVBlockIndex:
                 groups.append(
                     (WorkerMatch({"device": matched, "host": 0, "storage": 0}), on_device)
                 )
+        for group in stored:
+            every |= group[1]
+            groups.append(group)
         return HolderGroups(groups, apart, SlotSet(every, self._slots))
 
     def _split_by_tier(
         self, block_hashes: Sequence[int], now: float
-    ) -> tuple[list[tuple[int, int, int]], dict[str, WorkerMatch]]:
+    ) -> tuple[list[tuple[int, int, int]], list[tuple[WorkerMatch, int]], dict[str, WorkerMatch]]:
         """The walk after expiring speculation: (matched blocks, first bits of the
-        holders matched that deep, those of them whose match is all on device) per depth,
-        and the others' matches split by tier (each walked once more alone)."""
+        holders matched that deep, those of them whose match is all on device and not
+        continued by a shared store) per depth; the groups a shared store continues
+        (:meth:`_through_stores`); and the others' matches split by tier (each walked
+        once more alone)."""
         self.expire(now)
         by_depth, off_device = self._depths(block_hashes)
         depths: list[tuple[int, int, int]] = []
@@ -397,7 +508,44 @@ class KVBlockIndex:
                 for worker_id in self.members(walked):
                     apart[worker_id] = self._walk(worker_id, block_hashes, matched)
             depths.append((matched, members, members & ~off_device))
-        return depths, apart
+        stored = self._through_stores(block_hashes, depths, apart) if self._shared else []
+        return depths, stored, apart
+
+    def _through_stores(
+        self,
+        block_hashes: Sequence[int],
+        depths: list[tuple[int, int, int]],
+        apart: dict[str, WorkerMatch],
+    ) -> list[tuple[WorkerMatch, int]]:
+        """Each shared store's members whose own match the store's blocks continue: one
+        group per depth of those matched on device (taken out of that depth's), one of
+        the members that match nothing of their own, and those ``apart`` extended in
+        place. A store's run is found once per depth, not per member."""
+        end = len(block_hashes)
+        slots = self._slots
+        groups: list[tuple[WorkerMatch, int]] = []
+        for store in self._shared:
+            members = store.first_bits
+            holding = 0
+            for i, (matched, holders, on_device) in enumerate(depths):
+                holding |= holders & members
+                continued = on_device & members
+                if continued:
+                    loaded = store.run(block_hashes, matched, end)
+                    if loaded:
+                        depths[i] = (matched, holders, on_device & ~continued)
+                        device = {"device": matched, "host": 0, "storage": loaded}
+                        groups.append((WorkerMatch(device), continued))
+            for worker_id, match in apart.items():
+                if members >> (slots[worker_id] * len(TIERS)) & 1:
+                    apart[worker_id] = _loading(
+                        match, store.run(block_hashes, match.num_blocks, end)
+                    )
+            cold = members & ~holding
+            loaded = store.run(block_hashes, 0, end) if cold else 0
+            if loaded:
+                groups.append((WorkerMatch({"device": 0, "host": 0, "storage": loaded}), cold))
+        return groups
 
     def _depths(self, block_hashes: Sequence[int]) -> tuple[list[tuple[int, int]], int]:
         """The walk of :meth:`holder_groups`: (matched blocks, first bits of the workers
@@ -511,6 +659,15 @@ class KVBlockIndex:
             else:
                 break
         return WorkerMatch(by_tier)
+
+
+def _loading(match: WorkerMatch, blocks: int) -> WorkerMatch:
+    """``match`` continued by ``blocks`` loaded from storage."""
+    if not blocks:
+        return match
+    by_tier = dict(match.blocks_by_tier)
+    by_tier["storage"] = by_tier.get("storage", 0) + blocks
+    return WorkerMatch(by_tier)
 
 
 _TIERS = (1 << len(TIERS)) - 1  # one worker's bits

@@ -92,6 +92,11 @@ class Policy(ABC):
     ) -> None:
         """What ``worker_id`` holds in ``tier`` now, replacing what its events said."""
 
+    def observe_store(self, worker_id: str, store_id: str | None) -> None:  # noqa: B027
+        """``worker_id`` loads from the KV store named ``store_id`` (None: none that
+        other workers write), as its snapshot says: a block any worker of that store
+        announced in its storage tier is loadable by all of them (most read no events)."""
+
     def observe_load(self, load: WorkerLoad) -> None:  # noqa: B027 - most read loads in select
         """The router's guards on ``load.worker_id`` now hold ``load``: called on every
         change, so that a policy can keep workers ordered by load instead of scanning

@@ -30,6 +30,7 @@ from kvserve.engine.kv_tiers.storage_writes import StorageWrites
 from kvserve.engine.kv_tiers.tier_stats import TierStats
 from kvserve.engine.storage.base import KVStorage, open_storage
 from kvserve.engine.storage.block_codec import namespace_of
+from kvserve.engine.storage.identity import store_identity
 
 FAULT_PREFIX = "fault_"  # metrics() names of fault counts: fault_read, fault_write, ...
 GAUGES = frozenset({"host_blocks", "host_capacity_blocks"})  # the rest of metrics() count
@@ -55,10 +56,13 @@ class KVTiers(KVConnector):
         self._loader: StorageLoader | None = None
         self._announcements: StorageAnnouncements | None = None
         writes: StorageWrites | None = None
+        self._store_identity: str | None = None
         if config.storage:
+            namespace = namespace_of(layout)
             self._storage = open_storage(
-                config.storage, namespace_of(layout), max_bytes=config.storage_max_bytes
+                config.storage, namespace, max_bytes=config.storage_max_bytes
             )
+            self._store_identity = store_identity(config.storage, namespace, name=config.storage_id)
             self._writer = StorageWriter(
                 self._storage, layout, self.faults, config.max_pending_writes
             )
@@ -116,6 +120,9 @@ class KVTiers(KVConnector):
         if self._announcements is not None:
             tiers["storage"] = self._announcements.snapshot()
         return tiers
+
+    def shared_store(self) -> str | None:
+        return self._store_identity
 
     def check(self) -> None:
         """The device ledger's invariants (blocks loaded for a request included) and the

@@ -111,6 +111,9 @@ class KvAwarePolicy(Policy):
     def observe_snapshot(self, worker_id: str, tier: str, block_hashes: Iterable[int]) -> None:
         self.routing.index.replace(worker_id, tier, block_hashes)
 
+    def observe_store(self, worker_id: str, store_id: str | None) -> None:
+        self.routing.index.set_store(worker_id, store_id)
+
     def observe_load(self, load: WorkerLoad) -> None:
         self.routing.loads.update(load)
 
