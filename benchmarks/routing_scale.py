@@ -37,7 +37,7 @@ Mooncake trace at 10 workers ×1 scales to 1,000 workers ×100: the same load pe
 
 Run: ``python benchmarks/routing_scale.py [--workers 10,100,1000,10000]
 [--prompt-blocks 16,128] [--blocks 100] [--extra-blocks 0] [--decisions 300]
-[--warmup N] [--other-work-mib 8]
+[--warmup N] [--other-work-mib 8] [--shared-store]
 [--sim-trace $KVSERVE_DATA_DIR/mooncake/conversation_trace.jsonl --sim-workers 1000
 --sim-speedup 100]``.
 """
@@ -99,12 +99,19 @@ class Fleet:
             self.conversations[w] = chains
         self.next_hash = next_hash
 
-    def fill(self, policy: KvAwarePolicy, extra_blocks: int = 0) -> None:
+    def fill(
+        self, policy: KvAwarePolicy, extra_blocks: int = 0, shared_store: bool = False
+    ) -> None:
         """The workers' blocks into kv_aware's index, each worker with ``extra_blocks``
-        more that no request reads (the index's size, not the prompts')."""
+        more that no request reads (the index's size, not the prompts'); with a
+        ``shared_store``, every worker loads from one store, to which each wrote its
+        conversations through."""
         for n, w in enumerate(self.ids):
             stored = [h for chain in self.conversations[w] for h in chain]
             policy.observe_events(w, [KVEvent(1, "stored", "device", tuple(stored), None)])
+            if shared_store:
+                policy.observe_store(w, "store")
+                policy.observe_events(w, [KVEvent(3, "stored", "storage", tuple(stored), None)])
             if extra_blocks:
                 first = EXTRA_FIRST_HASH + n * extra_blocks
                 extra = tuple(range(first, first + extra_blocks))
@@ -178,6 +185,7 @@ def decision_times(
     extra_blocks: int = 0,
     warmup: int | None = None,
     other_work: OtherWork | None = None,
+    shared_store: bool = False,
 ) -> dict[str, list[float]]:
     """Microseconds per decision for each rule, each rule in a pass of its own over the
     same decisions, after ``warmup`` untimed ones (:func:`default_warmup` if None),
@@ -197,7 +205,9 @@ def decision_times(
     for rule in RULES:
         gc.collect()  # the last pass's fleet gone before this one's is built (10^8 entries)
         fleet = Fleet(workers, blocks, prompt_blocks, seed)
-        times[rule] = _pass(rule, fleet, decisions, warmup, extra_blocks, choices, between)
+        times[rule] = _pass(
+            rule, fleet, decisions, warmup, extra_blocks, choices, between, shared_store
+        )
     return times
 
 
@@ -212,11 +222,12 @@ def _pass(
     extra_blocks: int,
     choices: list[str],
     other_work: Callable[[], None],
+    shared_store: bool = False,
 ) -> list[float]:
     """``rule``'s CPU µs on each decision after the first ``warmup``, ``other_work``
     done before each. kv_aware's pass appends its choices to ``choices``; the others
     move the loads by them."""
-    decide, observe = _rule(rule, fleet, warmup, extra_blocks, choices)
+    decide, observe = _rule(rule, fleet, warmup, extra_blocks, choices, shared_store)
     times: list[float] = []
     gc.collect()
     for n in range(warmup + decisions):
@@ -231,7 +242,12 @@ def _pass(
 
 
 def _rule(
-    rule: str, fleet: Fleet, warmup: int, extra_blocks: int, choices: list[str]
+    rule: str,
+    fleet: Fleet,
+    warmup: int,
+    extra_blocks: int,
+    choices: list[str],
+    shared_store: bool = False,
 ) -> tuple[Decide, Callable[[WorkerLoad], None]]:
     """How ``rule`` decides the ``n``-th request (the choice that moves the loads, and
     the rule's CPU µs), and what is told of a change of load."""
@@ -243,7 +259,7 @@ def _rule(
 
         return replayed, _unread
     kv = KvAwarePolicy(KvAwareConfig())
-    fleet.fill(kv, extra_blocks)
+    fleet.fill(kv, extra_blocks, shared_store)
     if rule == "kv_aware":
 
         def recorded(n: int, query: RouteQuery, loads: PoolLoads, now: float) -> tuple[str, float]:
@@ -376,6 +392,11 @@ def main() -> None:
         help="untimed decisions before the timed ones (default: twice the fleet, 500 at least)",
     )
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--shared-store",
+        action="store_true",
+        help="every worker loads from one KV store its conversations were written to",
+    )
     parser.add_argument("--sim-trace", type=Path)
     parser.add_argument("--sim-workers", type=int, default=1000)
     parser.add_argument("--sim-speedup", type=float, default=100.0)
@@ -384,7 +405,8 @@ def main() -> None:
         simulator_wall(args.sim_trace, args.sim_workers, args.sim_speedup)
         return
     other_work = OtherWork(args.other_work_mib)
-    print(f"## decision time, µs of CPU (p50 / p99), {args.other_work_mib:g} MiB between\n")
+    store = ", the fleet sharing one KV store" if args.shared_store else ""
+    print(f"## decision time, µs of CPU (p50 / p99), {args.other_work_mib:g} MiB between{store}\n")
     print("| workers | prompt blocks | cache_aware | kv_aware | kv_aware exhaustive |")
     print("|---:|---:|---:|---:|---:|")
     for workers in (int(w) for w in args.workers.split(",")):
@@ -398,6 +420,7 @@ def main() -> None:
                 args.extra_blocks,
                 args.warmup,
                 other_work,
+                args.shared_store,
             )
             cells = [
                 f"{statistics.median(t):.0f} / {_percentile(t, 0.99):.0f}"

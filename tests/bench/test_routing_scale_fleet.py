@@ -71,3 +71,22 @@ def test_every_pass_decides_on_the_states_of_kv_awares_own(routing_scale: Module
     other = routing_scale.Fleet(40, 100, 16, seed=4)
     with pytest.raises(AssertionError, match="left kv_aware's decisions"):
         routing_scale._pass("kv_aware exhaustive", other, 30, 5, 0, choices, none)
+
+
+def test_with_a_shared_store_every_worker_holds_each_request_through_it(
+    routing_scale: ModuleType,
+) -> None:
+    """Every worker loads from one store its conversations were written to: a request's
+    owner holds it on device, every other worker through the store, and the fast rule's
+    choices stay the exhaustive one's over a run (its pass asserts so)."""
+    fleet = routing_scale.Fleet(30, 100, 16, seed=0)
+    policy = KvAwarePolicy(KvAwareConfig())
+    fleet.fill(policy, shared_store=True)
+    hashes = fleet.query().blocks.reusable_hashes
+    matches = policy.routing.index.match(hashes, fleet.ids, now=0.0)
+    assert sorted(m.num_blocks for m in matches.values()) == [14] * 30
+    owners = [w for w, m in matches.items() if m.blocks_by_tier["device"] == 14]
+    assert len(owners) == 1  # the others hold on device the system prompt at most
+    assert all(m.blocks_by_tier["storage"] >= 14 - 8 for w, m in matches.items() if w not in owners)
+    times = routing_scale.decision_times(30, 16, 100, 12, seed=0, warmup=20, shared_store=True)
+    assert all(len(t) == 12 for t in times.values())

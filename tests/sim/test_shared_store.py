@@ -12,7 +12,7 @@ from kvserve.core.hashing import make_namespace
 from kvserve.core.kv_cache_manager import KVCacheManager
 from kvserve.core.request import Request
 from kvserve.core.sampling_params import SamplingParams
-from kvserve.core.scheduler import Scheduler
+from kvserve.core.scheduler import Scheduler, SchedulerConfig
 from kvserve.sim.shared_store import SimStore, StoreLoads
 from kvserve.sim.simulator import MODEL, SimConfig, Simulation
 from kvserve.sim.trace import BLOCK_TOKENS, TraceRequest
@@ -60,7 +60,7 @@ def test_a_request_waits_for_its_load_then_is_admitted_on_the_installed_blocks()
     cache = KVCacheManager(32, BLOCK_TOKENS)
     store = SimStore(64, LOAD_TOKEN_S)
     loads = StoreLoads(store, cache)
-    scheduler = Scheduler(cache, connector=loads)
+    scheduler = Scheduler(cache, SchedulerConfig(max_num_batched_tokens=16 * BLOCK_TOKENS), loads)
     first, other = request(twice()[0]), request(TraceRequest("o", 0.0, 100, 4, (99,)))
     store.write(first.reusable_block_hashes()[:10])
     scheduler.add(first)
@@ -81,6 +81,31 @@ def test_a_request_waits_for_its_load_then_is_admitted_on_the_installed_blocks()
     for done in (first, other):
         scheduler.finish(done, "stop")
     assert cache.num_available_blocks == cache.num_blocks  # no install left pinned
+
+
+def test_a_loaded_request_without_room_keeps_its_load_and_its_place() -> None:
+    """Its install finds no room beside a running request: it starts no second load
+    (which would let later requests overtake it again) and installs once room is freed."""
+    cache = KVCacheManager(20, BLOCK_TOKENS)
+    store = SimStore(64, LOAD_TOKEN_S)
+    loads = StoreLoads(store, cache)
+    scheduler = Scheduler(cache, SchedulerConfig(max_num_batched_tokens=16 * BLOCK_TOKENS), loads)
+    big = request(TraceRequest("big", 0.0, 15 * BLOCK_TOKENS, 4, tuple(range(200, 215))))
+    first = request(twice()[0])
+    store.write(first.reusable_block_hashes()[:10])
+    scheduler.add(big)
+    scheduler.advance(scheduler.schedule())
+    scheduler.add(first)
+    scheduler.advance(scheduler.schedule())
+    loads.now = 1.0  # its load is done
+    scheduler.advance(scheduler.schedule())
+    assert first.num_cached_tokens is None and loads.next_ready() is None
+    assert store.loaded_tokens == 0
+    scheduler.finish(big, "stop")
+    plan = scheduler.schedule()
+    assert [c.request.request_id for c in plan.chunks] == ["t1"]
+    assert first.num_cached_tokens == 10 * BLOCK_TOKENS
+    cache.check()
 
 
 def test_loads_of_one_worker_run_one_after_another() -> None:

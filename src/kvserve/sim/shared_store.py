@@ -64,7 +64,10 @@ class StoreLoads:
     worker, beside the steps (the engine's loader thread), each ``loaded tokens ×
     load_token_s`` long. When its load is done the store's run is installed in the
     device cache, pinned under a holder of its own until the request is admitted (its
-    own match then pins it). The worker sets :attr:`now` before each schedule.
+    own match then pins it). A loaded request whose install finds no room keeps what it
+    loaded and tries again at each admission, keeping its place in the queue (a new
+    load would let later requests overtake it, over and over). The worker sets
+    :attr:`now` before each schedule.
     """
 
     def __init__(self, store: SimStore, kv_cache: KVCacheManager) -> None:
@@ -73,15 +76,20 @@ class StoreLoads:
         self.now = 0.0
         self._free_at = 0.0  # when the worker's loads in flight are done
         self._ready: dict[str, float] = {}  # request id -> when its load is done
+        self._loaded: set[str] = set()  # loaded, not installed yet (no room so far)
         self._holders: dict[str, Request] = {}  # holder id -> the waiting request
 
     def may_admit(self, request: Request) -> bool:
-        ready_at = self._ready.get(request.request_id)
+        request_id = request.request_id
+        ready_at = self._ready.get(request_id)
         if ready_at is not None:
             if self.now < ready_at:
                 return False
-            del self._ready[request.request_id]
-            self._install(request)
+            del self._ready[request_id]
+            self._loaded.add(request_id)
+        if request_id in self._loaded:
+            if self._install(request):
+                self._loaded.discard(request_id)
             return True
         cache, hashes = self._cache, request.reusable_block_hashes()
         loaded = self._store.run(hashes, len(cache.lookup_prefix(hashes)))
@@ -96,8 +104,9 @@ class StoreLoads:
         """When the next load in flight is done (None: none is)."""
         return min(self._ready.values(), default=None)
 
-    def _install(self, request: Request) -> None:
-        """The store's run after the device's prefix, as it is now, into the device."""
+    def _install(self, request: Request) -> bool:
+        """The store's run after the device's prefix, as it is now, into the device;
+        False where there is no room for it yet."""
         cache, hashes = self._cache, request.reusable_block_hashes()
         holder = _holder(request)
         if holder in self._holders:  # installed before it found no room: the store has more
@@ -106,14 +115,15 @@ class StoreLoads:
         on_device = len(cache.lookup_prefix(hashes))
         total = on_device + self._store.run(hashes, on_device)
         if total == on_device:
-            return
+            return True
         cache.match_prefix(holder, hashes[:on_device])
         if not cache.allocate_slots(holder, total * cache.block_size):
-            cache.free_request(holder)  # no room for it: computed instead, as the engine does
-            return
+            cache.free_request(holder)
+            return False
         cache.commit_blocks(holder, hashes[:total])
         self._holders[holder] = request
         self._store.loaded_tokens += (total - on_device) * cache.block_size
+        return True
 
     def release_admitted(self) -> None:
         """Unpin the installs of requests no longer waiting (admitted, or gone)."""
@@ -130,6 +140,7 @@ class StoreLoads:
 
     def request_finished(self, request: Request) -> None:
         self._ready.pop(request.request_id, None)
+        self._loaded.discard(request.request_id)
         holder = _holder(request)
         if self._holders.pop(holder, None) is not None:
             self._cache.free_request(holder)

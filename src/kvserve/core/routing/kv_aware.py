@@ -369,9 +369,11 @@ def _ttft(
     queued_s: float,
     config: KvAwareConfig,
 ) -> tuple[float, int]:
-    """:func:`predict`'s TTFT and cached tokens, without building a Prediction."""
+    """:func:`predict`'s TTFT and cached tokens, without building a Prediction: the load
+    term plus the prompt's (prefill and loading, summed first, so that workers sharing a
+    match share that sum, as the whole fleet's groups add it)."""
     prefill_s, loading_s, cached = _prompt_terms(match, prompt_tokens, block_size, config)
-    return _load_term(worker, queued_s, config) + prefill_s + loading_s, cached
+    return _load_term(worker, queued_s, config) + (prefill_s + loading_s), cached
 
 
 def _prompt_terms(
@@ -512,25 +514,15 @@ def _chosen(
     return KvAwareChoice(Prediction(worker, cached, ttft), reason)
 
 
-def _stored_terms(
-    stored: Sequence[tuple[bytes, float, float, int]], byte: int, bit: int
-) -> tuple[float, float, int] | None:
-    """The prompt's terms (prefill, loading, cached) of the store-continued layer whose
-    members' mask has ``bit`` in ``byte``, if one has."""
-    for members, prefill_s, loading_s, cached in stored:
-        if members[byte] & bit:
-            return prefill_s, loading_s, cached
-    return None
-
-
 class _WholeFleet(NamedTuple):
     """A small fleet's scores as :meth:`KvAwareRouting._whole_fleet` groups them. The
     workers matched on device to one depth share the prompt's terms: their TTFTs are
     their load terms plus one prefill time, and the smallest of a group is its smallest
     load term plus that (the same float: rounding an addition is monotone)."""
 
-    # (prefill seconds, cached tokens, load terms, workers) per depth matched and for
-    # no match; a group may be empty
+    # (prompt seconds: the prefill and any loading, cached tokens, load terms, workers)
+    # per depth matched, per group a shared store continues, and for no match; a group
+    # may be empty
     groups: list[tuple[float, int, list[float], list[WorkerLoad]]]
     apart: list[tuple[WorkerLoad, float, int]]  # holders with a host or storage block
 
@@ -923,7 +915,7 @@ class KvAwareRouting:
                     match, prompt_tokens, block_size, self.config
                 )
             term = load_term(entry, entry.done_at - now)
-            scored.append((worker, term + prompt[0] + prompt[1], prompt[2]))
+            scored.append((worker, term + (prompt[0] + prompt[1]), prompt[2]))
         return scored
 
     def _whole_fleet(
@@ -951,13 +943,12 @@ class KvAwareRouting:
             groups.append(
                 (config.prefill_s(prompt_tokens - cached, cached), cached, terms, held_by)
             )
-        # continued by a shared store: scored as the holders apart are, in _ttft's order
-        # of additions (the load term, then the prefill, then the loading)
-        stored = [
-            (members, *_prompt_terms(match, prompt_tokens, block_size, config))
-            for match, members in loading
-        ]
-        width = len(layers[0][1]) if layers else len(loading[0][1]) if loading else 0
+        for through, members in loading:  # groups a shared store continues
+            prefill_s, loading_s, cached = _prompt_terms(through, prompt_tokens, block_size, config)
+            terms, held_by = [], []
+            by_layer.append((members, terms, held_by))
+            groups.append((prefill_s + loading_s, cached, terms, held_by))
+        width = len(by_layer[0][0]) if by_layer else 0
         missed_terms: list[float] = []
         missed: list[WorkerLoad] = []
         apart: list[tuple[WorkerLoad, float, int]] = []
@@ -978,15 +969,9 @@ class KvAwareRouting:
                     prefill_s, loading_s, cached = _prompt_terms(
                         match, prompt_tokens, block_size, config
                     )
-                    apart.append((worker, term + prefill_s + loading_s, cached))
+                    apart.append((worker, term + (prefill_s + loading_s), cached))
                     continue
             byte = entry.mask_byte
-            if stored and byte < width:
-                through = _stored_terms(stored, byte, entry.mask_bit)
-                if through is not None:
-                    prefill_s, loading_s, cached = through
-                    apart.append((worker, term + prefill_s + loading_s, cached))
-                    continue
             # past the layers' bytes: a worker learnt since the walk, which holds nothing
             for members, terms, held_by in by_layer if byte < width else ():
                 if members[byte] & entry.mask_bit:
@@ -1022,7 +1007,12 @@ class KvAwareRouting:
         chosen = [(w, match) for w, match in groups.apart.items() if w in by_id]
         for match, members in groups.shared:
             chosen += [(w, match) for w in self._lightest_holders(members, by_id, now, tie_key)]
-        lightest = self._lightest_loads(by_id, groups.every, now, tie_key, salted)
+        # every worker a holder (a fleet sharing a store that holds the prompt): none is
+        # left to find, and the search would walk the whole of each load order
+        everyone = len(groups.every) >= self.index.num_workers
+        lightest = (
+            () if everyone else self._lightest_loads(by_id, groups.every, now, tie_key, salted)
+        )
         chosen += [(w, _NO_MATCH) for w in lightest]
         return [(by_id[w], match) for w, match in chosen]
 

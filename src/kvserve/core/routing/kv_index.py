@@ -185,6 +185,11 @@ class KVBlockIndex:
             self._store_bits |= store.storage_bits
         self._shared = [store for store in self._stores.values() if store.members > 1]
 
+    @property
+    def num_workers(self) -> int:
+        """Workers with a slot: every worker a policy was told of, or learnt from loads."""
+        return len(self._slots)
+
     def store_of(self, worker_id: str) -> str | None:
         return self._store_of.get(worker_id)
 
