@@ -83,14 +83,14 @@ def summarize(result: SimResult, slo_ttft_s: float | None = None) -> PolicySumma
         pd_remote_share=_remote_share(result, served),
         pd_transfer_mean_s=_transfer_mean(result, served),
         unfinished=result.unfinished,
-        store_hit_rate=(
-            None
-            if result.store_loaded_tokens is None
-            else result.store_loaded_tokens / prompt
-            if prompt
-            else 0.0
-        ),
+        store_hit_rate=_store_hit_rate(result, prompt),
     )
+
+
+def _store_hit_rate(result: SimResult, prompt_tokens: int) -> float | None:
+    if result.store_loaded_tokens is None:
+        return None
+    return result.store_loaded_tokens / prompt_tokens if prompt_tokens else 0.0
 
 
 def _remote_share(result: SimResult, served: Sequence[RequestRecord]) -> float | None:

@@ -109,7 +109,7 @@ class StoreLoads:
         False where there is no room for it yet."""
         cache, hashes = self._cache, request.reusable_block_hashes()
         holder = _holder(request)
-        if holder in self._holders:  # installed before it found no room: the store has more
+        if holder in self._holders:  # installed, not admitted, and the store has more since
             cache.free_request(holder)
             del self._holders[holder]
         on_device = len(cache.lookup_prefix(hashes))
