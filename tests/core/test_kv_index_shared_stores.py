@@ -21,10 +21,16 @@ def split(device: int = 0, host: int = 0, storage: int = 0) -> WorkerMatch:
     return WorkerMatch({"device": device, "host": host, "storage": storage})
 
 
-def test_a_members_match_continues_through_what_another_member_stored() -> None:
+def two_members() -> KVBlockIndex:
+    """An index where workers ``a`` and ``b`` load from store ``s``."""
     index = KVBlockIndex()
     index.set_store("a", "s")
     index.set_store("b", "s")
+    return index
+
+
+def test_a_members_match_continues_through_what_another_member_stored() -> None:
+    index = two_members()
     index.apply("a", stored(PROMPT[:2], "device"))
     index.apply("a", stored(PROMPT[:4]))  # a wrote 4 blocks to the store
     index.apply("b", stored(PROMPT[:1], "device"))
@@ -60,9 +66,7 @@ def test_an_eviction_one_member_reports_removes_the_block_for_every_member() -> 
 
 
 def test_a_members_snapshot_replaces_only_what_it_vouched_for() -> None:
-    index = KVBlockIndex()
-    index.set_store("a", "s")
-    index.set_store("b", "s")
+    index = two_members()
     index.apply("a", stored(PROMPT[:2]))
     index.apply("b", stored(PROMPT[:3]))
     index.replace("a", "storage", PROMPT[:1])
@@ -75,9 +79,7 @@ def test_a_members_snapshot_replaces_only_what_it_vouched_for() -> None:
 
 
 def test_a_member_leaving_its_store_keeps_only_its_own_blocks() -> None:
-    index = KVBlockIndex()
-    index.set_store("a", "s")
-    index.set_store("b", "s")
+    index = two_members()
     index.apply("a", stored(PROMPT[:3]))
     index.set_store("b", "t")  # moved to another store
     assert index.match(PROMPT, ["a", "b"], now=0.0) == {"a": split(storage=3), "b": split()}

@@ -117,6 +117,19 @@ def test_fast_rule_equals_the_exhaustive_one(
     eligible_mask: int,
 ) -> None:
     routing, loads = build(fleet, small_fleet, config)
+    assert_fast_equals_exhaustive_for(routing, loads, eligible_mask, prompt_blocks, now, run_blocks)
+
+
+def assert_fast_equals_exhaustive_for(
+    routing: KvAwareRouting,
+    loads: list[WorkerLoad],
+    eligible_mask: int,
+    prompt_blocks: int,
+    now: float,
+    run_blocks: int,
+) -> None:
+    """:func:`assert_fast_equals_exhaustive` on the workers of ``eligible_mask`` (the
+    first one if none), the walk switching to each worker alone at ``run_blocks``."""
     workers = [w for i, w in enumerate(loads) if eligible_mask >> i & 1] or loads[:1]
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(kv_index, "RUN_BLOCKS", run_blocks)
@@ -149,10 +162,7 @@ def test_fast_rule_equals_the_exhaustive_one_with_shared_stores(
     """Workers loading from two shared stores and none: a member is matched through what
     any member stored, in the groups of the walk as in each worker's own."""
     routing, loads = build(fleet, small_fleet, config, stores, join_first)
-    workers = [w for i, w in enumerate(loads) if eligible_mask >> i & 1] or loads[:1]
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(kv_index, "RUN_BLOCKS", run_blocks)
-        assert_fast_equals_exhaustive(routing, workers, PROMPT[:prompt_blocks], now)
+    assert_fast_equals_exhaustive_for(routing, loads, eligible_mask, prompt_blocks, now, run_blocks)
     routing.index.check()
 
 

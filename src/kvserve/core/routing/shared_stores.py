@@ -26,26 +26,27 @@ class SharedStore:
     """One store's members (as mask bits of the index's slots) and the blocks they vouch
     for, each counted once per member whose storage bit for it is set."""
 
-    __slots__ = ("first_bits", "members", "storage_bits", "vouched")
+    __slots__ = ("first_bits", "storage_bits", "vouched")
 
     def __init__(self) -> None:
         self.first_bits = 0  # the first bit of each member's slot
         self.storage_bits = 0  # each member's storage bit
-        self.members = 0
         self.vouched: dict[int, int] = {}  # hash -> members vouching for it
+
+    @property
+    def members(self) -> int:
+        return self.first_bits.bit_count()
 
     def join(self, first_bit: int, storage_bit: int, held: Iterable[int]) -> None:
         """A member joins with the storage blocks it announced so far."""
         self.first_bits |= first_bit
         self.storage_bits |= storage_bit
-        self.members += 1
         for block_hash in held:
             self.vouch(block_hash)
 
     def leave(self, first_bit: int, storage_bit: int, held: Iterable[int]) -> None:
         self.first_bits &= ~first_bit
         self.storage_bits &= ~storage_bit
-        self.members -= 1
         for block_hash in held:
             self.unvouch(block_hash)
 
