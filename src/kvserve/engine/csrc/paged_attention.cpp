@@ -36,6 +36,12 @@
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <cstdlib>
+#endif
 
 namespace {
 
@@ -278,6 +284,120 @@ void gemm_nn_bf16(int64_t rows, int64_t cols, int64_t pairs, const uint32_t* a, 
     }
   }
 }
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+// On CPUs with AMX (Sapphire Rapids and later) the bf16 products run on its tile unit: one
+// tdpbf16ps multiplies a 16 x 32 bf16 tile by a 32 x 16 one into 16 x 16 floats, 16 times
+// the work of a vdpbf16ps. The operands are already in the layout it reads: a's rows as
+// words of two neighbours along the inner dimension, b as [pairs][cols] words. vLLM's CPU
+// attention takes this path for bf16 where AMX is there; without it kvserve's bf16
+// shared-prefix rounds ran at 0.70x of vLLM's on such a CPU (docs/benchmarks.md).
+
+// Linux hands out the tile state only to a process that asks for it (once; torch's oneDNN
+// asks too when its own AMX kernels run). Off with KVSERVE_PAGED_AMX=0, to compare.
+bool amx_ready() {
+  static const bool ready = [] {
+    const char* setting = std::getenv("KVSERVE_PAGED_AMX");
+    if (setting != nullptr && std::strcmp(setting, "0") == 0) return false;
+    constexpr long kRequestPermission = 0x1023;  // ARCH_REQ_XCOMP_PERM
+    constexpr long kTileData = 18;               // XFEATURE_XTILEDATA
+    return syscall(SYS_arch_prctl, kRequestPermission, kTileData) == 0;
+  }();
+  return ready;
+}
+
+constexpr int64_t kTile = 16;  // rows of every tile, and 16 words (64 bytes) per row
+
+// The tile shapes of a work item's products, configured on its thread for as long as the
+// item runs and released after it (oneDNN configures its own before each of its kernels):
+// tiles 0-3 the 2 x 2 output block, 4-5 two row tiles of a, 6-7 two column tiles of b.
+class TileScope {
+ public:
+  explicit TileScope(bool active) : active_(active) {
+    if (!active) return;
+    struct Config {
+      uint8_t palette = 1, start_row = 0, reserved[14] = {};
+      uint16_t colsb[16] = {};
+      uint8_t rows[16] = {};
+    } config;
+    for (int t = 0; t < 8; ++t) {
+      config.colsb[t] = kTile * 4;
+      config.rows[t] = kTile;
+    }
+    _tile_loadconfig(&config);
+  }
+  ~TileScope() {
+    if (active_) _tile_release();
+  }
+  TileScope(const TileScope&) = delete;
+  TileScope& operator=(const TileScope&) = delete;
+
+ private:
+  bool active_;
+};
+
+// c[16 R][16 C] (+)= a[16 R][pairs] . b[pairs][16 C] on the tiles; pairs a multiple of 16.
+template <int R, int C>
+inline void amx_block(int64_t pairs, const uint32_t* a, int64_t lda, const uint32_t* b,
+                      int64_t ldb, float* c, int64_t ldc, bool accumulate) {
+  const int64_t a_bytes = lda * 4, b_bytes = ldb * 4, c_bytes = ldc * 4;
+  float* c1 = c + kTile;
+  float* c2 = c + kTile * ldc;
+  float* c3 = c2 + kTile;
+  if (accumulate) {
+    _tile_loadd(0, c, c_bytes);
+    if constexpr (C == 2) _tile_loadd(1, c1, c_bytes);
+    if constexpr (R == 2) _tile_loadd(2, c2, c_bytes);
+    if constexpr (R == 2 && C == 2) _tile_loadd(3, c3, c_bytes);
+  } else {
+    _tile_zero(0);
+    if constexpr (C == 2) _tile_zero(1);
+    if constexpr (R == 2) _tile_zero(2);
+    if constexpr (R == 2 && C == 2) _tile_zero(3);
+  }
+  for (int64_t p = 0; p < pairs; p += kTile) {
+    _tile_loadd(4, a + p, a_bytes);
+    if constexpr (R == 2) _tile_loadd(5, a + kTile * lda + p, a_bytes);
+    _tile_loadd(6, b + p * ldb, b_bytes);
+    if constexpr (C == 2) _tile_loadd(7, b + p * ldb + kTile, b_bytes);
+    _tile_dpbf16ps(0, 4, 6);
+    if constexpr (C == 2) _tile_dpbf16ps(1, 4, 7);
+    if constexpr (R == 2) _tile_dpbf16ps(2, 5, 6);
+    if constexpr (R == 2 && C == 2) _tile_dpbf16ps(3, 5, 7);
+  }
+  _tile_stored(0, c, c_bytes);
+  if constexpr (C == 2) _tile_stored(1, c1, c_bytes);
+  if constexpr (R == 2) _tile_stored(2, c2, c_bytes);
+  if constexpr (R == 2 && C == 2) _tile_stored(3, c3, c_bytes);
+}
+
+template <int R>
+void amx_rows(int64_t cols, int64_t pairs, const uint32_t* a, int64_t lda, const uint32_t* b,
+              int64_t ldb, float* c, int64_t ldc, bool accumulate) {
+  int64_t j = 0;
+  for (; j + 2 * kTile <= cols; j += 2 * kTile)
+    amx_block<R, 2>(pairs, a, lda, b + j, ldb, c + j, ldc, accumulate);
+  if (j < cols) amx_block<R, 1>(pairs, a, lda, b + j, ldb, c + j, ldc, accumulate);
+}
+
+// gemm_nn_bf16 with its whole 16 x 16 tiles on AMX (pairs a multiple of 16, inside a
+// TileScope) and the rows and columns past them on AVX512-BF16.
+void gemm_nn_amx(int64_t rows, int64_t cols, int64_t pairs, const uint32_t* a, int64_t lda,
+                 const uint32_t* b, int64_t ldb, float* c, int64_t ldc, bool accumulate) {
+  const int64_t tiled_rows = rows / kTile * kTile, tiled_cols = cols / kTile * kTile;
+  int64_t i = 0;
+  for (; i + 2 * kTile <= tiled_rows; i += 2 * kTile)
+    amx_rows<2>(tiled_cols, pairs, a + i * lda, lda, b, ldb, c + i * ldc, ldc, accumulate);
+  if (i < tiled_rows)
+    amx_rows<1>(tiled_cols, pairs, a + i * lda, lda, b, ldb, c + i * ldc, ldc, accumulate);
+  if (tiled_cols < cols)
+    gemm_nn_bf16(tiled_rows, cols - tiled_cols, pairs, a, lda, b + tiled_cols, ldb,
+                 c + tiled_cols, ldc, accumulate);
+  if (tiled_rows < rows)
+    gemm_nn_bf16(rows - tiled_rows, cols, pairs, a + tiled_rows * lda, lda, b, ldb,
+                 c + tiled_rows * ldc, ldc, accumulate);
+}
+#endif
 #endif
 
 // Few rows (a short run of new tokens, its groups of query heads): GEMM calls and the tile copy
@@ -352,6 +472,40 @@ void online_softmax_chunk(int64_t rows, int64_t keys, int64_t key_start, int64_t
 }
 
 #if defined(__AVX512BF16__)
+// dst[w * ld + j] = word w of rows[j] + offset (16-bit units) for 16 rows and 16 words: the
+// 16 x 16 block of 32-bit words transposed in registers (pairs of lanes, then quads, then
+// 128-bit lanes, then halves). Word by word, the key tile's copy took as long as both of its
+// products on AMX.
+inline void transpose_words16(const uint16_t* const* rows, int64_t offset, uint32_t* dst,
+                              int64_t ld) {
+  __m512i r[16], t[16];
+  for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_si512(rows[i] + offset);
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4) {
+    r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+    r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+    r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+    r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+  }
+  // r[4q + k] now holds, in its 128-bit lane L, word 4L + k of rows 4q..4q+3.
+  for (int i = 0; i < 4; ++i) {
+    t[i] = _mm512_shuffle_i32x4(r[i], r[i + 4], 0x88);            // lanes 0, 2 of each
+    t[i + 4] = _mm512_shuffle_i32x4(r[i], r[i + 4], 0xDD);        // lanes 1, 3 of each
+    t[i + 8] = _mm512_shuffle_i32x4(r[i + 8], r[i + 12], 0x88);
+    t[i + 12] = _mm512_shuffle_i32x4(r[i + 8], r[i + 12], 0xDD);
+  }
+  for (int i = 0; i < 4; ++i) {
+    r[i] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0x88);        // words i, rows 0..15
+    r[i + 8] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0xDD);    // words 8 + i
+    r[i + 4] = _mm512_shuffle_i32x4(t[i + 4], t[i + 12], 0x88);   // words 4 + i
+    r[i + 12] = _mm512_shuffle_i32x4(t[i + 4], t[i + 12], 0xDD);  // words 12 + i
+  }
+  for (int w = 0; w < 16; ++w) _mm512_storeu_si512(dst + w * ld, r[w]);
+}
+
 // attend_rows_gemm on bf16 pairs (head_dim and block_size even). buf.query holds the query
 // times `scale`; dividing it out gives back the stored bf16 values exactly (float32's
 // rounding error is far below half a bf16 step), and the scores are scaled instead.
@@ -362,10 +516,21 @@ void attend_rows_gemm_bf16(int64_t rows, const c10::BFloat16* pool, int64_t bloc
                            int64_t kv_head, const Visible& visible, float scale, Buffers& buf) {
   const int64_t chunk_blocks = std::max<int64_t>(1, kKeyChunk / block_size);
   const int64_t chunk_keys = chunk_blocks * block_size, pairs = head_dim / 2;
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+  // AMX's inner dimension goes 16 pairs at a time: Q K^T's is the head's (64 and 128 fit),
+  // P V's the chunk's keys, padded with zero weights and values to a multiple of 16 pairs.
+  const bool amx = rows >= kTile && pairs % kTile == 0 && amx_ready();
+  const TileScope tiles(amx);
+  const auto product = amx ? gemm_nn_amx : gemm_nn_bf16;
+  const auto padded = [amx](int64_t n) { return amx ? (n + kTile - 1) / kTile * kTile : n; };
+#else
+  const auto product = gemm_nn_bf16;
+  const auto padded = [](int64_t n) { return n; };
+#endif
   buf.query_pairs.resize(rows * pairs);
   buf.key_pairs.resize(pairs * chunk_keys);
-  buf.value_pairs.resize(chunk_keys / 2 * head_dim);
-  buf.score_pairs.resize(rows * chunk_keys / 2);
+  buf.value_pairs.resize(padded(chunk_keys / 2) * head_dim);
+  buf.score_pairs.resize(rows * padded(chunk_keys / 2));
   uint16_t* query16 = reinterpret_cast<uint16_t*>(buf.query_pairs.data());
   const float inverse_scale = 1.0f / scale;
   for (int64_t i = 0; i < rows * head_dim; ++i) query16[i] = bf16_bits(buf.query[i] * inverse_scale);
@@ -374,6 +539,7 @@ void attend_rows_gemm_bf16(int64_t rows, const c10::BFloat16* pool, int64_t bloc
   for (int64_t chunk = first_block; chunk < end_block; chunk += chunk_blocks) {
     const int64_t blocks = std::min(chunk_blocks, end_block - chunk);
     const int64_t keys = blocks * block_size, key_start = chunk * block_size;
+    const int64_t weight_pairs = padded(keys / 2);
     for (int64_t b = 0; b < blocks; ++b) {
       const uint16_t* slots = pool16 + table[chunk + b] * block_size * slot_stride;
       for (int64_t j = 0; j < block_size; ++j) {
@@ -390,25 +556,37 @@ void attend_rows_gemm_bf16(int64_t rows, const c10::BFloat16* pool, int64_t bloc
       for (int64_t d = 0; d < head_dim; ++d)
         vd[d] = static_cast<uint32_t>(even[d]) | (static_cast<uint32_t>(odd[d]) << 16);
     }
-    // Keys transposed as [pairs][keys] words, 16 keys at a time (as the float tile).
+    std::fill(buf.value_pairs.data() + keys / 2 * head_dim,
+              buf.value_pairs.data() + weight_pairs * head_dim, 0u);
+    // Keys transposed as [pairs][keys] words, 16 keys at a time (as the float tile): 16 x 16
+    // words in registers where both fit, word by word at the edges.
     for (int64_t first = 0; first < keys; first += 16) {
       const int64_t group = std::min<int64_t>(16, keys - first);
-      for (int64_t p = 0; p < pairs; ++p) {
+      int64_t p = 0;
+      if (group == 16)
+        for (; p + 16 <= pairs; p += 16)
+          transpose_words16(key_rows.data() + first, 2 * p, buf.key_pairs.data() + p * keys + first,
+                            keys);
+      for (; p < pairs; ++p) {
         uint32_t* kd = buf.key_pairs.data() + p * keys + first;
         for (int64_t j = 0; j < group; ++j) std::memcpy(kd + j, key_rows[first + j] + 2 * p, 4);
       }
     }
     float* scores = buf.scores.data();
-    gemm_nn_bf16(rows, keys, pairs, buf.query_pairs.data(), pairs, buf.key_pairs.data(), keys,
-                 scores, keys, false);
+    product(rows, keys, pairs, buf.query_pairs.data(), pairs, buf.key_pairs.data(), keys,
+            scores, keys, false);
 #pragma omp simd
     for (int64_t i = 0; i < rows * keys; ++i) scores[i] *= scale;
     online_softmax_chunk(rows, keys, key_start, head_dim, visible, scores, buf);
-    uint16_t* weights16 = reinterpret_cast<uint16_t*>(buf.score_pairs.data());
+    for (int64_t r = 0; r < rows; ++r) {
+      uint16_t* weights16 = reinterpret_cast<uint16_t*>(buf.score_pairs.data() + r * weight_pairs);
+      const float* s = scores + r * keys;
 #pragma omp simd
-    for (int64_t i = 0; i < rows * keys; ++i) weights16[i] = bf16_bits(scores[i]);
-    gemm_nn_bf16(rows, head_dim, keys / 2, buf.score_pairs.data(), keys / 2,
-                 buf.value_pairs.data(), head_dim, buf.acc.data(), head_dim, true);
+      for (int64_t j = 0; j < keys; ++j) weights16[j] = bf16_bits(s[j]);
+      std::fill(weights16 + keys, weights16 + 2 * weight_pairs, uint16_t{0});
+    }
+    product(rows, head_dim, weight_pairs, buf.score_pairs.data(), weight_pairs,
+            buf.value_pairs.data(), head_dim, buf.acc.data(), head_dim, true);
   }
 }
 #endif
