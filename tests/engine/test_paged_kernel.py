@@ -3,9 +3,12 @@ softmax over each query's visible keys), on pools with shuffled block tables."""
 
 from __future__ import annotations
 
+import os
 import random
 import re
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -46,6 +49,30 @@ def test_cache_key_changes_with_a_header(tmp_path: Path, monkeypatch):
     assert paged_kernel.build_directory() != before
 
 
+def cpu_has_amx() -> bool:
+    return "amx_bf16" in Path("/proc/cpuinfo").read_text()
+
+
+def test_bf16_vector_path_where_amx_would_run():
+    """On a CPU with AMX the bf16 tests above run the tile products; the AVX512-BF16 path
+    they replace still serves small tiles, other head sizes and CPUs without AMX, so the
+    bf16 tests run again with it alone (``KVSERVE_PAGED_AMX=0``, read once per process).
+    Elsewhere the tests above already ran that path."""
+    if not cpu_has_amx():
+        return
+    selection = "bfloat16 and not vector_path"
+    env = {**os.environ, "KVSERVE_PAGED_AMX": "0"}
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", selection],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert " passed" in done.stdout
+
+
 def reference(q, pool, tables, sequences, window, scale):
     """Per sequence and query: softmax over the keys at positions it may see."""
     block_size, kv_heads = pool.shape[1], pool.shape[2] // 2
@@ -69,7 +96,7 @@ def reference(q, pool, tables, sequences, window, scale):
     return out
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
 @pytest.mark.parametrize("window", [0, 7])
 @pytest.mark.parametrize(("heads", "kv_heads", "block_size"), [(8, 2, 4), (4, 4, 16), (6, 3, 32)])
 # 40 and 48: head sizes off the GEMM's 32-column register blocks (a 16-column and a scalar tail);
@@ -104,7 +131,7 @@ def test_kernel_matches_naive_attention(dtype, window, heads, kv_heads, block_si
     torch.testing.assert_close(ours.double(), expected, atol=tolerance, rtol=tolerance)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
 @pytest.mark.parametrize("window", [0, 7])
 @pytest.mark.parametrize(("heads", "kv_heads", "block_size"), [(8, 2, 4), (6, 3, 16)])
 def test_kernel_shared_prefixes(dtype, window, heads, kv_heads, block_size):
@@ -157,7 +184,7 @@ def unshare(pool, tables):
     return fresh, new_tables
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
 @pytest.mark.parametrize(("heads", "kv_heads", "block_size"), [(8, 2, 4), (16, 8, 16), (6, 6, 8)])
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_kernel_prefill_cascade(dtype, heads, kv_heads, block_size, seed):
@@ -205,7 +232,7 @@ def test_kernel_prefill_cascade(dtype, heads, kv_heads, block_size, seed):
     torch.testing.assert_close(ours.double(), plain.double(), atol=tolerance, rtol=tolerance)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
 # (36, 4): key tiles whose transposition (8 x 8 blocks in registers) has a dimension tail
 # and, in a chunk of fewer than 256 keys, a group of fewer than 8 keys, done element-wise.
 @pytest.mark.parametrize(("head_dim", "block_size"), [(32, 16), (36, 4)])
