@@ -100,8 +100,9 @@ def reference(q, pool, tables, sequences, window, scale):
 @pytest.mark.parametrize("window", [0, 7])
 @pytest.mark.parametrize(("heads", "kv_heads", "block_size"), [(8, 2, 4), (4, 4, 16), (6, 3, 32)])
 # 40 and 48: head sizes off the GEMM's 32-column register blocks (a 16-column and a scalar tail);
-# 36 also off the key tile's 8 x 8 transposition blocks (4 dimensions element-wise).
-@pytest.mark.parametrize("head_dim", [32, 36, 40, 48, 64])
+# 36 also off the key tile's 8 x 8 transposition blocks (4 dimensions element-wise). 64 and
+# 128: the decode written out for AVX-512 (128 with two of a KV head's query heads at a time).
+@pytest.mark.parametrize("head_dim", [32, 36, 40, 48, 64, 128])
 def test_kernel_matches_naive_attention(dtype, window, heads, kv_heads, block_size, head_dim):
     assert paged_kernel.load(), "the paged kernel did not build (see test_kernel_builds)"
     rng = random.Random(heads * block_size + window)
@@ -134,13 +135,14 @@ def test_kernel_matches_naive_attention(dtype, window, heads, kv_heads, block_si
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
 @pytest.mark.parametrize("window", [0, 7])
 @pytest.mark.parametrize(("heads", "kv_heads", "block_size"), [(8, 2, 4), (6, 3, 16)])
-def test_kernel_shared_prefixes(dtype, window, heads, kv_heads, block_size):
+@pytest.mark.parametrize("head_dim", [32, 64])  # 64: the written-out decode after a prefix
+def test_kernel_shared_prefixes(dtype, window, heads, kv_heads, block_size, head_dim):
     """Decodes whose tables begin with the same blocks (read once for all of them, then each
     goes on over its own blocks): prefixes shared by some, partly by others, a decode on the
     last shared block, a prefill over the same blocks, and lone decodes."""
     assert paged_kernel.load(), "the paged kernel did not build (see test_kernel_builds)"
     rng = random.Random(heads * block_size + window + 1)
-    head_dim, num_blocks = 32, 96
+    num_blocks = 96
     pool = torch.randn(num_blocks, block_size, 2 * kv_heads, head_dim).to(dtype)
     free = rng.sample(range(num_blocks), num_blocks)
     prefix = [free.pop() for _ in range(4)]

@@ -839,6 +839,174 @@ void attend_decode(const scalar_t* q, int64_t q_head_stride, const scalar_t* poo
   }
 }
 
+#if defined(__AVX512F__)
+// Sixteen lanes of a stored head as floats (a bf16 is a float's top half: a shift).
+inline __m512 load16(const float* src) { return _mm512_loadu_ps(src); }
+inline __m512 load16(const c10::BFloat16* src) {
+  const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+}
+
+// Lane j of the result: the sum of v[j]'s sixteen lanes. A tree of shuffles that halves the
+// vectors at each level (46 instructions), where sixteen separate reductions take about
+// 130: a decode's dot products, one per (slot, query head), are each reduced across lanes.
+inline __m512 lane_sums16(const __m512 (&v)[16]) {
+  __m512 halves[8], quarters[4], eighths[2];
+  for (int i = 0; i < 8; ++i)  // 128-bit lanes 0-1 partials of v[2i], 2-3 of v[2i + 1]
+    halves[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0x44),
+                              _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0xEE));
+  for (int i = 0; i < 4; ++i)  // 128-bit lane m: four partials of v[4i + m]
+    quarters[i] = _mm512_add_ps(_mm512_shuffle_f32x4(halves[2 * i], halves[2 * i + 1], 0x88),
+                                _mm512_shuffle_f32x4(halves[2 * i], halves[2 * i + 1], 0xDD));
+  for (int i = 0; i < 2; ++i)  // lane m: two partials of v[8i + m], two of v[8i + 4 + m]
+    eighths[i] = _mm512_add_ps(_mm512_shuffle_ps(quarters[2 * i], quarters[2 * i + 1], 0x44),
+                               _mm512_shuffle_ps(quarters[2 * i], quarters[2 * i + 1], 0xEE));
+  // Lane 4m + e: the sum of v[4e + m]; put lane j's sum at j.
+  const __m512 sums = _mm512_add_ps(_mm512_shuffle_ps(eighths[0], eighths[1], 0x88),
+                                    _mm512_shuffle_ps(eighths[0], eighths[1], 0xDD));
+  const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+  return _mm512_permutexvar_ps(order, sums);
+}
+
+// One query head's dot product with one slot's key, left as sixteen partial sums. In bf16
+// (on CPUs with AVX512-BF16) the query stays in bf16 as words of two neighbours and each
+// product of two bf16 values is exact in float32, so the result differs from converting
+// both sides first only in the order of the sums; the scale is applied to the scores.
+template <int64_t kHeadDim>
+inline __m512 partial_dot(const float* query, const float* key) {
+  __m512 sum = _mm512_mul_ps(_mm512_loadu_ps(query), _mm512_loadu_ps(key));
+  for (int64_t i = 16; i < kHeadDim; i += 16)
+    sum = _mm512_fmadd_ps(_mm512_loadu_ps(query + i), _mm512_loadu_ps(key + i), sum);
+  return sum;
+}
+#if defined(__AVX512BF16__)
+template <int64_t kHeadDim>
+inline __m512 partial_dot(const uint32_t* query, const c10::BFloat16* key) {
+  __m512 sum = _mm512_setzero_ps();
+  for (int64_t i = 0; i < kHeadDim; i += 32)
+    sum = _mm512_dpbf16_ps(sum, (__m512bh)_mm512_loadu_si512(query + i / 2),
+                           (__m512bh)_mm512_loadu_si512(key + i));
+  return sum;
+}
+#endif
+
+// The decode of attend_decode below, written out for AVX-512 where the head size is a
+// multiple of 32: per slot each query head's product is left as sixteen partial sums, and
+// each 16 slots' sums are reduced together (lane_sums16); the values are converted once
+// for the up to kRows query heads of a KV head that take them, with those heads' outputs
+// in registers across the block's slots.
+template <typename scalar_t, int64_t kHeadDim>
+void attend_decode_vectors(const scalar_t* q, int64_t q_head_stride, const scalar_t* pool,
+                           int64_t block_size, int64_t slot_stride, int64_t kv_heads,
+                           const int64_t* table, int64_t position, int64_t group,
+                           int64_t window, float scale, scalar_t* out, const float* state,
+                           int64_t state_blocks, Buffers& buf) {
+  constexpr int64_t kVectors = kHeadDim / 16;
+  constexpr int64_t kRows = std::max<int64_t>(1, 16 / kVectors);  // 16 accumulators
+#if defined(__AVX512BF16__)
+  constexpr bool kPairs = std::is_same_v<scalar_t, c10::BFloat16>;
+#else
+  constexpr bool kPairs = false;
+#endif
+  const int64_t heads = kv_heads * group;
+  buf.query.resize(heads * kHeadDim);
+  buf.query_pairs.resize(heads * kHeadDim / 2);
+  buf.acc.assign(heads * kHeadDim, 0.0f);
+  buf.row_max.assign(heads, kMasked);
+  buf.row_sum.assign(heads, 0.0f);
+  buf.scores.resize(heads * block_size);
+  buf.keys.assign(heads * 16 * 16, 0.0f);  // per head: 16 slots' partial sums
+  for (int64_t h = 0; h < heads; ++h) {
+    const scalar_t* src = q + h * q_head_stride;
+    if constexpr (kPairs)
+      std::memcpy(buf.query_pairs.data() + h * kHeadDim / 2, src, kHeadDim * sizeof(scalar_t));
+    else
+      for (int64_t d = 0; d < kHeadDim; ++d) buf.query[h * kHeadDim + d] = to_float(src[d]) * scale;
+    if (state != nullptr) {
+      const float* own = state + h * (kHeadDim + kStateExtra);
+      std::copy_n(own, kHeadDim, buf.acc.data() + h * kHeadDim);
+      buf.row_max[h] = own[kHeadDim];
+      buf.row_sum[h] = own[kHeadDim + 1];
+    }
+  }
+  const __m512 score_scale = _mm512_set1_ps(kPairs ? scale : 1.0f);
+  const int64_t lowest_key = window > 0 ? std::max<int64_t>(0, position - window + 1) : 0;
+  float* scores = buf.scores.data();
+  float* partials = buf.keys.data();
+  const int64_t last_block = position / block_size;
+  const int64_t slot_bytes = slot_stride * static_cast<int64_t>(sizeof(scalar_t));
+  for (int64_t block = std::max(state_blocks, lowest_key / block_size); block <= last_block;
+       ++block) {
+    const scalar_t* slots = pool + table[block] * block_size * slot_stride;
+    const scalar_t* next_slots =
+        block < last_block ? pool + table[block + 1] * block_size * slot_stride : nullptr;
+    const int64_t block_start = block * block_size;
+    const int64_t low = std::max<int64_t>(0, lowest_key - block_start);
+    const int64_t high = std::min<int64_t>(block_size, position + 1 - block_start);
+    for (int64_t first = low; first < high; first += 16) {
+      const int64_t count = std::min<int64_t>(16, high - first);
+      for (int64_t j = first; j < first + count; ++j) {
+        const scalar_t* slot = slots + j * slot_stride;
+        const int64_t ahead = j + kPrefetchSlots;
+        const char* upcoming = reinterpret_cast<const char*>(
+            ahead < block_size ? slots + ahead * slot_stride
+            : next_slots != nullptr ? next_slots + (ahead - block_size) * slot_stride
+                                    : nullptr);
+        if (upcoming != nullptr)
+          for (int64_t byte = 0; byte < slot_bytes; byte += 64) __builtin_prefetch(upcoming + byte);
+        for (int64_t h = 0; h < heads; ++h) {
+          const scalar_t* key = slot + (h / group) * kHeadDim;
+          __m512 partial;
+          if constexpr (kPairs)
+            partial = partial_dot<kHeadDim>(buf.query_pairs.data() + h * kHeadDim / 2, key);
+          else
+            partial = partial_dot<kHeadDim>(buf.query.data() + h * kHeadDim, key);
+          _mm512_storeu_ps(partials + (h * 16 + j - first) * 16, partial);
+        }
+      }
+      const __mmask16 lanes = first_lanes(count);
+      for (int64_t h = 0; h < heads; ++h) {
+        __m512 v[16];
+        for (int i = 0; i < 16; ++i) v[i] = _mm512_loadu_ps(partials + (h * 16 + i) * 16);
+        _mm512_mask_storeu_ps(scores + h * block_size + first, lanes,
+                              _mm512_mul_ps(lane_sums16(v), score_scale));
+      }
+    }
+    for (int64_t h = 0; h < heads; ++h)
+      online_softmax_step(scores + h * block_size, low, high, buf.row_max[h], buf.row_sum[h],
+                          buf.acc.data() + h * kHeadDim, kHeadDim);
+    for (int64_t kv_head = 0; kv_head < kv_heads; ++kv_head) {
+      for (int64_t first_row = 0; first_row < group; first_row += kRows) {
+        const int64_t rows = std::min<int64_t>(kRows, group - first_row);
+        const int64_t head = kv_head * group + first_row;
+        __m512 acc[kRows][kVectors];
+        for (int64_t r = 0; r < rows; ++r)
+          for (int64_t i = 0; i < kVectors; ++i)
+            acc[r][i] = _mm512_loadu_ps(buf.acc.data() + (head + r) * kHeadDim + 16 * i);
+        for (int64_t j = low; j < high; ++j) {
+          const scalar_t* value = slots + j * slot_stride + (kv_heads + kv_head) * kHeadDim;
+          __m512 v[kVectors];
+          for (int64_t i = 0; i < kVectors; ++i) v[i] = load16(value + 16 * i);
+          for (int64_t r = 0; r < rows; ++r) {
+            const __m512 weight = _mm512_set1_ps(scores[(head + r) * block_size + j]);
+            for (int64_t i = 0; i < kVectors; ++i) acc[r][i] = _mm512_fmadd_ps(weight, v[i], acc[r][i]);
+          }
+        }
+        for (int64_t r = 0; r < rows; ++r)
+          for (int64_t i = 0; i < kVectors; ++i)
+            _mm512_storeu_ps(buf.acc.data() + (head + r) * kHeadDim + 16 * i, acc[r][i]);
+      }
+    }
+  }
+  for (int64_t h = 0; h < heads; ++h) {
+    const float inverse = 1.0f / buf.row_sum[h];
+    const float* a = buf.acc.data() + h * kHeadDim;
+    scalar_t* dst = out + h * kHeadDim;
+    for (int64_t d = 0; d < kHeadDim; ++d) dst[d] = static_cast<scalar_t>(a[d] * inverse);
+  }
+}
+#endif
+
 template <typename scalar_t>
 void attend_tile(const scalar_t* q, int64_t q_token_stride, int64_t q_head_stride,
                  const scalar_t* pool, int64_t block_size, int64_t slot_stride,
@@ -1031,6 +1199,19 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& pool, const at
       const float* prefix_state =
           prefix_blocks[n] > 0 ? states.data() + (first + tile) * token_state : nullptr;
       if (kv_head < 0) {
+#if defined(__AVX512F__)
+        if constexpr (std::is_same_v<scalar_t, float> || std::is_same_v<scalar_t, c10::BFloat16>) {
+          if (head_dim == 64 || head_dim == 128) {
+            const auto decode = head_dim == 64 ? attend_decode_vectors<scalar_t, 64>
+                                               : attend_decode_vectors<scalar_t, 128>;
+            decode(q_data + first * q.stride(0), q.stride(1), pool_data, block_size,
+                   pool.stride(1), kv_heads, table_data + n * width, start, group, window,
+                   static_cast<float>(scale), out_data + first * heads * head_dim,
+                   prefix_state, prefix_blocks[n], buffers);
+            return;
+          }
+        }
+#endif
         const auto decode = head_dim == 64    ? attend_decode<scalar_t, 64>
                             : head_dim == 128 ? attend_decode<scalar_t, 128>
                                               : attend_decode<scalar_t, 0>;
